@@ -1,0 +1,1 @@
+"""Numerical ops: each has a readable fp32 reference beside its fast path."""

@@ -1,0 +1,62 @@
+"""Full-attention block weights and the projection stages around the attention sweep.
+
+The sweep itself (`kernels.attention`) is not here: who holds the keys (a dense prompt, the
+engine's paged cache, a remote attention shard) is the caller's business. This module only
+turns a normalised hidden state into q / k / v and the attention output back into the stream.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.config import ModelConfig
+from models.layers import RMSNorm
+
+
+class FullAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, d)
+        self.output_gate = cfg.attn_output_gate
+        q_out = self.num_heads * d * (2 if self.output_gate else 1)
+        self.q_proj = nn.Linear(h, q_out, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def query(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
+        """xn [*, h] (already normed) -> q [*, H, D] (normed, rotated), gate [*, H·D] or None."""
+        lead = xn.shape[:-1]
+        q = self.q_proj(xn)
+        gate = None
+        if self.output_gate:
+            qg = q.view(*lead, self.num_heads, 2 * self.head_dim)
+            q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(*lead, -1)
+        else:
+            q = q.view(*lead, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return rotary.apply(q, cos, sin), gate
+
+    def key_value(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
+        """xn [*, h] -> k, v [*, KV, D]; k is normed and rotated, as stored in the KV cache."""
+        lead = xn.shape[:-1]
+        k = self.k_proj(xn).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(xn).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return rotary.apply(k, cos, sin), v
+
+    def output(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [*, H, D] -> [*, h] (before the residual add)."""
+        o = o.reshape(*o.shape[:-2], -1)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)

@@ -1,0 +1,94 @@
+"""Gated DeltaNet (linear_attention) layer: projections, conv + gates + delta rule, output.
+
+Two checkpoint layouts feed the same math (MODEL_SPEC.md §2.4):
+- "grouped" (Qwen3-Next): `in_proj_qkvz` rows grouped by key head, `in_proj_ba` likewise;
+- "flat" (Qwen3.5): `in_proj_qkv` = [q_all | k_all | v_all], separate `in_proj_z/b/a`.
+Both produce `mixed` with conv channels ordered q_all, k_all, v_all.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.conv import causal_conv1d
+from kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from models.config import ModelConfig
+from models.layers import GatedRMSNorm
+
+
+class GDNInputs(NamedTuple):
+    mixed: torch.Tensor    # [*, conv_dim]  pre-conv q|k|v channels
+    z: torch.Tensor        # [*, HV, Dv]    output gate
+    b: torch.Tensor        # [*, HV]        beta logits
+    a: torch.Tensor        # [*, HV]        decay logits
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.layout = cfg.gdn_layout
+        key_dim, value_dim, conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
+        if self.layout == "grouped":
+            self.in_proj_qkvz = nn.Linear(h, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.hv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.hv, bias=False)
+            self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim,
+                                bias=False)
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+
+    def inputs(self, xn: torch.Tensor) -> GDNInputs:
+        """xn [*, h] (already normed) -> GDNInputs."""
+        lead = xn.shape[:-1]
+        if self.layout == "grouped":
+            r = self.hv // self.hk
+            p = self.in_proj_qkvz(xn).view(*lead, self.hk, 2 * self.dk + 2 * r * self.dv)
+            q, k, v, z = p.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+            ba = self.in_proj_ba(xn).view(*lead, self.hk, 2 * r)
+            b, a = ba.split([r, r], dim=-1)
+            mixed = torch.cat([q.reshape(*lead, -1), k.reshape(*lead, -1),
+                               v.reshape(*lead, -1)], dim=-1)
+            return GDNInputs(mixed, z.reshape(*lead, self.hv, self.dv),
+                             b.reshape(*lead, self.hv), a.reshape(*lead, self.hv))
+        return GDNInputs(self.in_proj_qkv(xn), self.in_proj_z(xn).view(*lead, self.hv, self.dv),
+                         self.in_proj_b(xn), self.in_proj_a(xn))
+
+    def mix(self, inp: GDNInputs, conv_state: torch.Tensor | None,
+            recurrent_state: torch.Tensor | None, *, chunked: bool = True):
+        """Conv, gates and delta rule over [B, T] rows.
+
+        Returns (o [B, T, HV, Dv] in model dtype, conv_state [B, conv_dim, Kc−1],
+        recurrent_state [B, HV, Dk, Dv] fp32). `None` states mean a fresh sequence.
+        """
+        bsz, t = inp.mixed.shape[:2]
+        y, conv_state = causal_conv1d(inp.mixed, self.conv1d.weight.view(self.conv1d.weight.shape[0], -1),
+                                      conv_state)
+        key_dim = self.hk * self.dk
+        q, k, v = y.split([key_dim, key_dim, self.hv * self.dv], dim=-1)
+        q = q.reshape(bsz, t, self.hk, self.dk)
+        k = k.reshape(bsz, t, self.hk, self.dk)
+        v = v.reshape(bsz, t, self.hv, self.dv)
+        beta = torch.sigmoid(inp.b)                                       # model dtype, as HF
+        g = -self.A_log.float().exp() * F.softplus(inp.a.float() + self.dt_bias)
+        r = self.hv // self.hk
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+        rule = chunk_gated_delta_rule if chunked and t > 1 else recurrent_gated_delta_rule
+        o, recurrent_state = rule(q, k, v, g, beta, recurrent_state)
+        return o.to(inp.mixed.dtype), conv_state, recurrent_state
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """o, z [*, HV, Dv] -> [*, h] (before the residual add)."""
+        return self.out_proj(self.norm(o, z).reshape(*o.shape[:-2], -1))

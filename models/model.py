@@ -1,0 +1,159 @@
+"""The causal LM and its stage API.
+
+Every service composes these stages instead of re-implementing layers:
+
+    embed(ids) -> x
+    per full-attention layer l:   attn_inputs(l, x, pos) -> AttnInputs(q, k, v, gate)
+                                  attn_output(l, x, o, gate) -> h
+    per linear-attention layer l: gdn_inputs(l, x) -> GDNInputs
+                                  gdn_mix(l, inputs, conv_state, recurrent_state)
+                                  gdn_output(l, x, o, z) -> h
+    per layer l:                  mlp(l, h) -> x_next
+    final(x) -> logits
+
+The finer pieces (`norm_in`, `attn_query`, `attn_key_value`) exist for the disaggregated
+decode path, where the query and the key/value are computed in different processes.
+`forward` is the exact reference, built from the same stages.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from kernels.attention import get_backend
+from models.attention import FullAttention
+from models.config import FULL_ATTENTION, ModelConfig
+from models.gdn import GatedDeltaNet, GDNInputs
+from models.layers import MLP, RMSNorm, SparseMoE
+from models.rope import Rotary
+
+
+class AttnInputs(NamedTuple):
+    q: torch.Tensor              # [*, H, D]   normed (QK-norm) and rotated
+    k: torch.Tensor              # [*, KV, D]  normed and rotated, as cached
+    v: torch.Tensor              # [*, KV, D]
+    gate: torch.Tensor | None    # [*, H·D]    output gate (gated families) or None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.kind = cfg.layer_types[index]
+        eps, zc = cfg.rms_norm_eps, cfg.zero_centered_norm
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, zc)
+        if self.kind == FULL_ATTENTION:
+            self.self_attn = FullAttention(cfg)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg)
+        if cfg.uses_moe(index):
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+                                 cfg.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centered_norm)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
+
+    # ---- helpers -------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def layer(self, l: int) -> DecoderLayer:
+        return self.model.layers[l]
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings \
+            else self.lm_head.weight
+
+    # ---- stages --------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def norm_in(self, l: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(l).input_layernorm(x)
+
+    def attn_query(self, l: int, xn: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.rotary.cos_sin(positions, xn.dtype)
+        return self.layer(l).self_attn.query(xn, cos, sin, self.rotary)
+
+    def attn_key_value(self, l: int, xn: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.rotary.cos_sin(positions, xn.dtype)
+        return self.layer(l).self_attn.key_value(xn, cos, sin, self.rotary)
+
+    def attn_inputs(self, l: int, x: torch.Tensor, positions: torch.Tensor) -> AttnInputs:
+        """x [*, h] residual stream, positions [*] -> q, k, v, gate."""
+        xn = self.norm_in(l, x)
+        cos, sin = self.rotary.cos_sin(positions, xn.dtype)
+        attn = self.layer(l).self_attn
+        q, gate = attn.query(xn, cos, sin, self.rotary)
+        k, v = attn.key_value(xn, cos, sin, self.rotary)
+        return AttnInputs(q, k, v, gate)
+
+    def attn_output(self, l: int, x: torch.Tensor, o: torch.Tensor,
+                    gate: torch.Tensor | None) -> torch.Tensor:
+        """x [*, h], o [*, H, D] -> h = x + Wo(o [* sigmoid(gate)])."""
+        return x + self.layer(l).self_attn.output(o.to(x.dtype), gate)
+
+    def gdn_inputs(self, l: int, x: torch.Tensor) -> GDNInputs:
+        return self.layer(l).linear_attn.inputs(self.norm_in(l, x))
+
+    def gdn_mix(self, l: int, inp: GDNInputs, conv_state=None, recurrent_state=None, *,
+                chunked: bool = True):
+        return self.layer(l).linear_attn.mix(inp, conv_state, recurrent_state, chunked=chunked)
+
+    def gdn_output(self, l: int, x: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return x + self.layer(l).linear_attn.output(o, z)
+
+    def mlp(self, l: int, h: torch.Tensor) -> torch.Tensor:
+        layer = self.layer(l)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.final_norm(x) @ self.lm_head_weight().T
+
+    # ---- exact reference -----------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, attention_backend: str | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab]; exact, no cache."""
+        backend = get_backend(attention_backend, self.device)
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        x = self.embed(input_ids)
+        for l, layer in enumerate(self.model.layers):
+            if layer.kind == FULL_ATTENTION:
+                a = self.attn_inputs(l, x, positions)
+                o, _ = backend.attention_lse(a.q, a.k, a.v, causal=True)
+                h = self.attn_output(l, x, o, a.gate)
+            else:
+                inp = self.gdn_inputs(l, x)
+                o, _, _ = self.gdn_mix(l, inp)
+                h = self.gdn_output(l, x, o, inp.z)
+            x = self.mlp(l, h)
+        return self.final(x)
