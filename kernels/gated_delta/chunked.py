@@ -34,25 +34,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
     # [B, H, N, C, *]
     q, k, v = (x.view(b, n, c, h, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))
     g, beta = (x.view(b, n, c, h).permute(0, 3, 1, 2) for x in (g, beta))
-    gamma = g.cumsum(-1)
+    # γ grows to hundreds in strongly decaying heads; in fp32 the differences γ_i − γ_j would
+    # lose their low digits to cancellation, so the cumsum and its differences run in fp64.
+    gamma = g.double().cumsum(-1)
     lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf"))
+    decay = decay.exp().to(q.dtype)
     kb = k * beta[..., None]
     a = (kb @ k.transpose(-1, -2)) * decay
     a = a.tril(-1)                                                      # strict lower part
-    eye = torch.eye(c, device=q.device)
-    tinv_rhs = torch.cat([v * beta[..., None], kb * gamma.exp()[..., None]], dim=-1)
+    eye = torch.eye(c, dtype=q.dtype, device=q.device)
+    tinv_rhs = torch.cat([v * beta[..., None], kb * gamma.exp().to(q.dtype)[..., None]], dim=-1)
     uw = torch.linalg.solve_triangular(eye + a, tinv_rhs, upper=False, unitriangular=True)
     u, w = uw[..., :dv], uw[..., dv:]
     qk = (q @ k.transpose(-1, -2)) * decay
-    q_decay = q * gamma.exp()[..., None]
-    k_decay = k * (gamma[..., -1:] - gamma).exp()[..., None]
-    s = (torch.zeros(b, h, dk, dv, device=q.device) if initial_state is None
-         else initial_state.float().clone())
-    out = torch.empty(b, h, n, c, dv, device=q.device)
+    q_decay = q * gamma.exp().to(q.dtype)[..., None]
+    k_decay = k * (gamma[..., -1:] - gamma).exp().to(q.dtype)[..., None]
+    s = (q.new_zeros(b, h, dk, dv) if initial_state is None
+         else initial_state.to(q.dtype).clone())
+    out = q.new_empty(b, h, n, c, dv)
     for i in range(n):
         vn = u[:, :, i] - w[:, :, i] @ s
         out[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ vn
-        s = s * gamma[:, :, i, -1].exp()[..., None, None] + k_decay[:, :, i].transpose(-1, -2) @ vn
+        s = s * gamma[:, :, i, -1].exp().to(q.dtype)[..., None, None] + k_decay[:, :, i].transpose(-1, -2) @ vn
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
     return out, s

@@ -18,7 +18,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def prepare(q, k, v, g, beta, scale, use_qk_l2norm):
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    acc = torch.promote_types(q.dtype, torch.float32)       # fp32, or fp64 for fp64 inputs
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -31,9 +32,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=No
     q, k, v, g, beta = prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     b, t, h, dk = k.shape
     dv = v.shape[-1]
-    s = (torch.zeros(b, h, dk, dv, device=q.device) if initial_state is None
-         else initial_state.float().clone())
-    out = torch.empty(b, t, h, dv, device=q.device)
+    s = (q.new_zeros(b, h, dk, dv) if initial_state is None
+         else initial_state.to(q.dtype).clone())
+    out = q.new_empty(b, t, h, dv)
     for i in range(t):
         s = s * g[:, i].exp()[..., None, None]
         kv_mem = (s * k[:, i, :, :, None]).sum(-2)                       # [B, HV, Dv]

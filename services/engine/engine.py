@@ -1,0 +1,179 @@
+"""The exact reference engine: one process, continuous batching over a paged cache.
+
+    step():  out = scheduler.schedule()
+             logits = runner.run(out)
+             return postprocess(out, logits)
+
+Requests go in with `add_request` (validated there, so a bad request fails alone) and come
+back as `StepOutput`s. `abort` and failures free the request's blocks and state slot at once.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kernels.sampling import sample
+from models.model import CausalLM
+from services.engine.block_manager import BlockManager, SlotPool
+from services.engine.kv_cache import CacheStorage
+from services.engine.runner import ModelRunner
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.sequence import GenerationParams, RequestError, Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None        # default: kv_cache_bytes worth of blocks
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 1024
+    max_prefill_chunk: int = 512
+    max_model_len: int | None = None     # default: the model's max_position_embeddings
+    attention_backend: str | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class StepOutput:
+    seq_id: int
+    token: int | None            # None when the request ended without a new token
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None
+    error: str | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(),
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.model = model
+        self.config = config
+        cfg = model.config
+        self.max_model_len = config.max_model_len or cfg.max_position_embeddings
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // max(1, CacheStorage.bytes_per_block(
+                cfg, config.block_size, model.dtype)))
+        num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.slots = SlotPool(config.max_num_seqs) if cfg.is_hybrid else None
+        self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,
+                                  model.dtype, model.device)
+        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_prefill_chunk=config.max_prefill_chunk)
+        self.runner = ModelRunner(model, self.cache, config.attention_backend)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.seqs: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
+                    seq_id: int | None = None) -> int:
+        vocab = self.model.config.vocab_size
+        if not prompt_ids:
+            raise RequestError("prompt", prompt_ids, "must contain at least one token")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {vocab})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError("max_tokens", params.max_tokens,
+                               f"prompt ({len(prompt_ids)} tokens) + max_tokens exceeds the "
+                               f"context length {self.max_model_len}")
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise RequestError("max_tokens", params.max_tokens,
+                               f"needs {self.blocks.blocks_for(total)} KV blocks, the cache "
+                               f"has {self.blocks.num_blocks}")
+        seq_id = next(self._ids) if seq_id is None else seq_id
+        if seq_id in self.seqs:
+            raise RequestError("seq_id", seq_id, "is already in use")
+        seq = Sequence(seq_id, list(prompt_ids), params)
+        self.seqs[seq_id] = seq
+        self.scheduler.add(seq)
+        return seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        seq = self.seqs.get(seq_id)
+        if seq is None or seq.finished:
+            return False
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pop(self, seq_id: int) -> Sequence:
+        """Forget a finished sequence (the caller has read its outputs)."""
+        return self.seqs.pop(seq_id)
+
+    # ---- the loop ------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        try:
+            logits = self.runner.run(out)
+        except Exception as exc:  # a failed step fails only the requests in it
+            log.exception("engine step failed")
+            return [self._fail(c.seq, f"{type(exc).__name__}: {exc}") for c in out.chunks]
+        return self._postprocess(out, logits)
+
+    def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+        sampling = [c for c in out.chunks if c.sample]
+        for c in out.chunks:
+            c.seq.num_computed = c.start + c.length
+        if not sampling:
+            return []
+        seqs = [c.seq for c in sampling]
+        tokens, logprobs = sample(logits, [s.params.sampling for s in seqs],
+                                  [s.generator for s in seqs])
+        results = []
+        for i, seq in enumerate(seqs):
+            tok, lp = int(tokens[i]), float(logprobs[i])
+            seq.output_ids.append(tok)
+            seq.logprobs.append(lp)
+            if seq.params.return_logits:
+                seq.logits.append(logits[i].clone())
+            reason = self._stop_reason(seq, tok)
+            if reason:
+                self._finish(seq, reason)
+            results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason))
+        return results
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+
+    def _fail(self, seq: Sequence, error: str) -> StepOutput:
+        self._finish(seq, "error")
+        seq.error = error
+        return StepOutput(seq.seq_id, None, None, True, "error", error)
+
+    # ---- convenience ---------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: GenerationParams | list[GenerationParams]
+                 = GenerationParams()) -> list[Sequence]:
+        """Run `prompts` to completion (continuous batching) and return their sequences."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, pp) for p, pp in zip(prompts, plist)]
+        while self.has_unfinished():
+            self.step()
+        return [self.pop(i) for i in ids]

@@ -1,0 +1,57 @@
+"""Cache storage, allocated once: paged FA KV plus Gated DeltaNet state slots.
+
+    kv:        [2, num_fa_layers, num_blocks, block_size, KV, D]    (model dtype)
+    conv:      [num_gdn_layers, num_slots, conv_dim, Kc − 1]        (model dtype)
+    recurrent: [num_gdn_layers, num_slots, HV, Dk, Dv]              (fp32)
+
+Layers get views (`k(l)`, `v(l)`); nothing here allocates per step. Block ids and slot ids
+come from `BlockManager` / `SlotPool`; this class only stores.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.config import ModelConfig
+
+
+class CacheStorage:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, num_slots: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.block_size = block_size
+        self.fa_index = {l: i for i, l in enumerate(cfg.full_attention_layers)}
+        self.gdn_index = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
+        kvh, d = cfg.num_key_value_heads, cfg.head_dim
+        self.kv = torch.zeros(2, len(self.fa_index), num_blocks, block_size, kvh, d,
+                              dtype=dtype, device=device)
+        self.conv = self.recurrent = None
+        if self.gdn_index:
+            self.conv = torch.zeros(len(self.gdn_index), num_slots, cfg.gdn_conv_dim,
+                                    cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+            self.recurrent = torch.zeros(len(self.gdn_index), num_slots,
+                                         cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                         cfg.linear_value_head_dim, dtype=torch.float32,
+                                         device=device)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return (2 * len(cfg.full_attention_layers) * block_size * cfg.num_key_value_heads
+                * cfg.head_dim * elem)
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.kv[0, self.fa_index[layer]]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.kv[1, self.fa_index[layer]]
+
+    def write_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """slots [N] flat token slots (block * block_size + offset); k, v [N, KV, D]."""
+        i = self.fa_index[layer]
+        kvh, d = k.shape[-2:]
+        self.kv[0, i].view(-1, kvh, d)[slots] = k.to(self.kv.dtype)
+        self.kv[1, i].view(-1, kvh, d)[slots] = v.to(self.kv.dtype)
+
+    def reset_slot(self, slot: int) -> None:
+        if self.conv is not None:
+            self.conv[:, slot].zero_()
+            self.recurrent[:, slot].zero_()

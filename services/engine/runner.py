@@ -1,0 +1,129 @@
+"""Runs one scheduled step through the model's stage API against the cache.
+
+The step's tokens are flattened into rows `[N, hidden]` for every projection and MLP. The
+sequence mixers are the only per-sequence part:
+
+    rows:  | decode d0 d1 .. d(B-1) | prefill chunk s0 ........ | chunk s1 .... |
+    FA:      one batched paged sweep   one sweep per chunk (causal, offset = start)
+    GDN:     one batched recurrent     one chunked delta-rule call per chunk
+             step over state slots     starting from the chunk's slot state
+
+Returns the logits of the rows that sample (decode rows and chunks ending their sequence).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.attention import get_backend
+from models.config import FULL_ATTENTION
+from models.gdn import GDNInputs
+from models.model import CausalLM
+from services.engine.kv_cache import CacheStorage
+from services.engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class StepTensors:
+    """Everything the layers need, built once per step from plain block tables."""
+    ids: torch.Tensor             # [N]
+    positions: torch.Tensor       # [N]
+    slots: torch.Tensor           # [N] flat cache slot of each row
+    num_decode: int
+    dec_tables: torch.Tensor      # [Bd, max_blocks] (-1 padded)
+    dec_lens: torch.Tensor        # [Bd] cached positions after this step
+    dec_state_slots: torch.Tensor  # [Bd]
+    prefill: list[tuple[int, int, int, torch.Tensor, int | None]]  # (row0, start, len, table, slot)
+    sample_rows: torch.Tensor     # [S]
+
+
+def prepare(out: SchedulerOutput, block_size: int, device) -> StepTensors:
+    ids, positions, slots = [], [], []
+    for c in out.chunks:
+        toks = c.seq.tokens[c.start:c.start + c.length]
+        ids.extend(toks)
+        for p in range(c.start, c.start + c.length):
+            positions.append(p)
+            slots.append(c.seq.block_table[p // block_size] * block_size + p % block_size)
+    width = max((len(c.seq.block_table) for c in out.decode), default=0)
+    tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in out.decode]
+    prefill, row, sample_rows = [], 0, []
+    for c in out.decode:
+        sample_rows.append(row)
+        row += 1
+    for c in out.prefill:
+        prefill.append((row, c.start, c.length,
+                        torch.tensor(c.seq.block_table, dtype=torch.long, device=device),
+                        c.seq.state_slot))
+        row += c.length
+        if c.sample:
+            sample_rows.append(row - 1)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    return StepTensors(
+        as_long(ids), as_long(positions), as_long(slots), len(out.decode),
+        as_long(tables).view(len(tables), width), as_long([c.start + 1 for c in out.decode]),
+        as_long([c.seq.state_slot if c.seq.state_slot is not None else 0 for c in out.decode]),
+        prefill, as_long(sample_rows))
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None):
+        self.model = model
+        self.cache = cache
+        self.attn = get_backend(attention_backend, model.device)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        st = prepare(out, self.cache.block_size, self.model.device)
+        for c in out.prefill:
+            if c.start == 0 and c.seq.state_slot is not None:
+                self.cache.reset_slot(c.seq.state_slot)
+        x = self.model.embed(st.ids)
+        for l, layer in enumerate(self.model.model.layers):
+            if layer.kind == FULL_ATTENTION:
+                h = self._full_attention(l, x, st)
+            else:
+                h = self._gated_deltanet(l, x, st)
+            x = self.model.mlp(l, h)
+        return self.model.final(x[st.sample_rows]).float()
+
+    def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors) -> torch.Tensor:
+        a = self.model.attn_inputs(l, x, st.positions)
+        self.cache.write_kv(l, st.slots, a.k, a.v)
+        k_cache, v_cache = self.cache.k(l), self.cache.v(l)
+        o = torch.empty_like(a.q)
+        nd = st.num_decode
+        if nd:
+            o[:nd] = self.attn.paged_attention_lse(
+                a.q[:nd, None], k_cache, v_cache, st.dec_tables, st.dec_lens)[0][:, 0]
+        for row, start, n, table, _ in st.prefill:
+            q = a.q[row:row + n][None]
+            if start == 0:   # fresh prompt: its keys are exactly this chunk's rows
+                o_seq, _ = self.attn.attention_lse(q, a.k[row:row + n][None],
+                                                   a.v[row:row + n][None], causal=True)
+            else:
+                o_seq, _ = self.attn.paged_attention_lse(
+                    q, k_cache, v_cache, table[None], torch.tensor([start + n]),
+                    torch.tensor([start]))
+            o[row:row + n] = o_seq[0]
+        return self.model.attn_output(l, x, o, a.gate)
+
+    def _gated_deltanet(self, l: int, x: torch.Tensor, st: StepTensors) -> torch.Tensor:
+        inp = self.model.gdn_inputs(l, x)
+        gi = self.cache.gdn_index[l]
+        conv, rec = self.cache.conv[gi], self.cache.recurrent[gi]
+        o = torch.empty_like(inp.z)
+        nd = st.num_decode
+        if nd:
+            sl = st.dec_state_slots
+            dec = GDNInputs(*(t[:nd, None] for t in inp))
+            o_dec, conv[sl], rec[sl] = self.model.gdn_mix(l, dec, conv[sl], rec[sl])
+            o[:nd] = o_dec[:, 0]
+        for row, start, n, _, slot in st.prefill:
+            seq_in = GDNInputs(*(t[row:row + n][None] for t in inp))
+            o_seq, c_new, r_new = self.model.gdn_mix(l, seq_in, conv[slot:slot + 1],
+                                                     rec[slot:slot + 1])
+            conv[slot], rec[slot] = c_new[0], r_new[0]
+            o[row:row + n] = o_seq[0]
+        return self.model.gdn_output(l, x, o, inp.z)

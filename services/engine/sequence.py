@@ -1,0 +1,74 @@
+"""A request inside the engine: its tokens, its KV blocks, its state slot, its status."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; carries the offending field and value."""
+
+    def __init__(self, field_name: str, value, message: str):
+        super().__init__(f"{field_name}: {message} (got {value!r})")
+        self.field, self.value = field_name, value
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 16
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logits: bool = False     # keep each sampled position's logits (tests, evals)
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise RequestError("max_tokens", self.max_tokens, "must be a positive integer")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: GenerationParams
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0            # tokens whose KV / state is in the cache
+    state_slot: int | None = None    # Gated DeltaNet state slot (hybrid models)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        seed = self.params.sampling.seed
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status == Status.FINISHED
