@@ -1,0 +1,160 @@
+"""The exact engine against the full forward, and its bookkeeping under every ending."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import load_model
+from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
+from tests.conftest import FAMILIES
+
+GREEDY_31 = GenerationParams(max_tokens=31, ignore_eos=True, return_logits=True)
+
+
+def full_forward_logits(model, seq):
+    """Logits the full forward assigns to each sampled position of `seq`."""
+    full = model.forward(torch.tensor([seq.tokens[:-1]]))[0]
+    return full[len(seq.prompt_ids) - 1:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("lengths", [(100,), (37, 100, 5)])
+def test_prefill_plus_30_decode_steps_match_full_forward(family, lengths, tiny_checkpoint):
+    path, _ = tiny_checkpoint(family)
+    model = load_model(path)
+    # chunk 40 < 100: the long prompt is prefilled in 3 chunks while the others decode
+    engine = LLMEngine(model, EngineConfig(block_size=16, num_blocks=64, max_prefill_chunk=40,
+                                           max_num_batched_tokens=64))
+    gen = torch.Generator().manual_seed(sum(lengths))
+    prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lengths]
+    seqs = engine.generate(prompts, GREEDY_31)
+    for seq in seqs:
+        assert len(seq.output_ids) == 31 and seq.finish_reason == "length"
+        got = torch.stack(seq.logits)
+        ref = full_forward_logits(model, seq)
+        assert (got - ref).abs().max().item() <= 1e-4
+        assert seq.output_ids == got.argmax(-1).tolist()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    engine.blocks.check()
+
+
+@pytest.fixture
+def engine_qwen35(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_5")
+    return LLMEngine(load_model(path), EngineConfig(block_size=4, num_blocks=24, max_num_seqs=4,
+                                                    max_prefill_chunk=16,
+                                                    max_num_batched_tokens=32))
+
+
+def test_blocks_are_taken_in_order_and_all_return(engine_qwen35):
+    eng = engine_qwen35
+    a = eng.add_request(list(range(1, 10)), GenerationParams(max_tokens=3, ignore_eos=True))
+    b = eng.add_request(list(range(1, 6)), GenerationParams(max_tokens=3, ignore_eos=True))
+    eng.step()                                        # both prompts prefilled in one step
+    assert eng.seqs[a].block_table == [0, 1, 2] and eng.seqs[b].block_table == [3, 4]
+    assert eng.seqs[a].state_slot == 0 and eng.seqs[b].state_slot == 1
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.seqs[a].finish_reason == "length"
+    assert sorted(eng.blocks.free_queue) == list(range(24)) and eng.slots.num_free == 4
+    eng.blocks.check()
+
+
+def test_finished_cancelled_and_failed_all_free_their_blocks(engine_qwen35, monkeypatch):
+    eng = engine_qwen35
+    p = GenerationParams(max_tokens=6, ignore_eos=True)
+    done = eng.add_request([5, 6, 7], GenerationParams(max_tokens=1, ignore_eos=True))
+    cancelled = eng.add_request(list(range(20, 31)), p)
+    doomed = eng.add_request(list(range(40, 45)), p)
+    survivor = eng.add_request([9, 9, 9, 9], p)
+    eng.step()
+    assert eng.seqs[done].finish_reason == "length"
+    assert eng.seqs[cancelled].block_table == [1, 2, 3]
+    assert eng.abort(cancelled)
+    assert eng.seqs[cancelled].block_table == [] and eng.seqs[cancelled].finish_reason == "abort"
+    real_run = eng.runner.run
+
+    def failing_run(out):                 # the step that holds `doomed` fails
+        if any(c.seq.seq_id == doomed for c in out.chunks):
+            raise RuntimeError("injected device fault")
+        return real_run(out)
+
+    monkeypatch.setattr(eng.runner, "run", failing_run)
+    outs = eng.step()
+    assert {o.seq_id for o in outs if o.error} == {doomed, survivor}
+    assert eng.seqs[doomed].error == "RuntimeError: injected device fault"
+    # every block and state slot is back, in a known order
+    assert eng.blocks.num_free == 24 and eng.slots.num_free == 4
+    # 8..23 never used; then `done` [0], `cancelled` [1, 2, 3], `doomed` [4, 5] and
+    # `survivor` [6, 7] (its decode took block 7) return in the order they were freed
+    assert list(eng.blocks.free_queue) == list(range(8, 24)) + list(range(8))
+    eng.blocks.check()
+    monkeypatch.setattr(eng.runner, "run", real_run)
+    seqs = eng.generate([[1, 2, 3]], GenerationParams(max_tokens=2, ignore_eos=True))
+    assert len(seqs[0].output_ids) == 2                # the engine keeps serving
+
+
+def test_preemption_recomputes_and_matches_unpreempted(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_next")
+    model = load_model(path)
+    prompts = [list(range(1, 15)), list(range(100, 113)), list(range(200, 210))]
+    p = GenerationParams(max_tokens=12, ignore_eos=True)
+    roomy = LLMEngine(model, EngineConfig(block_size=4, num_blocks=64))
+    tight = LLMEngine(model, EngineConfig(block_size=4, num_blocks=14, max_num_seqs=3))
+    ref = [s.output_ids for s in roomy.generate(prompts, p)]
+    preempted = []
+    orig = tight.scheduler.schedule
+
+    def spy():
+        out = orig()
+        preempted.extend(out.preempted)
+        return out
+
+    tight.scheduler.schedule = spy
+    got = [s.output_ids for s in tight.generate(prompts, p)]
+    assert preempted, "the tight cache should have forced a preemption"
+    assert got == ref
+    assert tight.blocks.num_free == 14 and tight.slots.num_free == 3
+
+
+def test_eos_and_stop_tokens_finish_with_stop(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    free_run = LLMEngine(model).generate([[3, 4, 5]], GenerationParams(max_tokens=5,
+                                                                        ignore_eos=True))[0]
+    first = free_run.output_ids[0]
+    eng = LLMEngine(model, eos_token_ids=(first,))
+    seq = eng.generate([[3, 4, 5]], GenerationParams(max_tokens=5))[0]
+    assert seq.output_ids == [first] and seq.finish_reason == "stop"
+    third = free_run.output_ids[2]
+    seq = LLMEngine(model).generate([[3, 4, 5]], GenerationParams(
+        max_tokens=5, stop_token_ids=(third,), ignore_eos=True))[0]
+    assert seq.output_ids == free_run.output_ids[:3] and seq.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ([], GenerationParams(), "prompt"),
+    ([1, 5000], GenerationParams(), "prompt"),
+    ([1, 2], GenerationParams(max_tokens=5000), "max_tokens"),
+])
+def test_bad_requests_are_refused_without_side_effects(prompt, params, field, engine_qwen35):
+    with pytest.raises(RequestError) as err:
+        engine_qwen35.add_request(prompt, params)
+    assert err.value.field == field
+    assert not engine_qwen35.has_unfinished() and engine_qwen35.blocks.num_free == 24
+
+
+def test_max_tokens_must_be_positive():
+    with pytest.raises(RequestError, match="max_tokens"):
+        GenerationParams(max_tokens=0)
+
+
+def test_seeded_sampling_is_batch_independent(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    p = GenerationParams(max_tokens=8, ignore_eos=True,
+                         sampling=__import__("kernels.sampling", fromlist=["x"]).SamplingParams(
+                             temperature=1.0, top_p=0.9, seed=11))
+    alone = LLMEngine(model).generate([[1, 2, 3]], p)[0].output_ids
+    batched = LLMEngine(model).generate([[7, 8], [1, 2, 3], [4] * 9], p)[1].output_ids
+    assert alone == batched

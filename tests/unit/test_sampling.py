@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.sampling import SamplingError, SamplingParams, filter_logits, sample
+
+
+def test_greedy_picks_argmax_and_reports_logprob():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 0.0]])
+    tokens, lps = sample(logits, [SamplingParams(), SamplingParams()])
+    assert tokens.tolist() == [1, 0]
+    assert torch.allclose(lps, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_top_k_keeps_k_best():
+    out = filter_logits(torch.tensor([1.0, 4.0, 3.0, 2.0]), top_k=2, top_p=1.0)
+    assert torch.isinf(out[[0, 3]]).all() and torch.isfinite(out[[1, 2]]).all()
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    out = filter_logits(logits, 0, top_p=0.8)
+    assert torch.isfinite(out[:2]).all() and torch.isinf(out[2:]).all()
+    out = filter_logits(logits, 0, top_p=0.81)
+    assert torch.isfinite(out[:3]).all() and torch.isinf(out[3])
+
+
+def test_seeded_sampling_is_reproducible_and_follows_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    p = SamplingParams(temperature=1.0, seed=7)
+    draws = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(7)
+        draws.append([int(sample(logits, [p], [gen])[0]) for _ in range(2000)])
+    assert draws[0] == draws[1]
+    freq = torch.bincount(torch.tensor(draws[0]), minlength=3).float() / 2000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
+
+
+def test_low_temperature_concentrates():
+    logits = torch.tensor([[1.0, 1.5, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    toks = [int(sample(logits, [SamplingParams(temperature=0.05)], [gen])[0]) for _ in range(50)]
+    assert set(toks) == {1}
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_p": 0.0}, {"top_p": 1.5},
+                                    {"top_k": -2}])
+def test_invalid_params_raise(kwargs):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kwargs)
