@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.layers import RMSNorm
+from models.layers import Linear, RMSNorm
 
 
 class FullAttention(nn.Module):
@@ -21,10 +21,10 @@ class FullAttention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
         self.output_gate = cfg.attn_output_gate
         q_out = self.num_heads * d * (2 if self.output_gate else 1)
-        self.q_proj = nn.Linear(h, q_out, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.q_proj = Linear(h, q_out, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=cfg.attention_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm)

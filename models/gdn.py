@@ -16,7 +16,7 @@ from torch import nn
 from kernels.conv import causal_conv1d
 from kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from models.config import ModelConfig
-from models.layers import GatedRMSNorm
+from models.layers import GatedRMSNorm, Linear
 
 
 class GDNInputs(NamedTuple):
@@ -35,19 +35,19 @@ class GatedDeltaNet(nn.Module):
         self.layout = cfg.gdn_layout
         key_dim, value_dim, conv_dim = cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.gdn_conv_dim
         if self.layout == "grouped":
-            self.in_proj_qkvz = nn.Linear(h, 2 * key_dim + 2 * value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(h, 2 * self.hv, bias=False)
+            self.in_proj_qkvz = Linear(h, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = Linear(h, 2 * self.hv, bias=False)
         else:
-            self.in_proj_qkv = nn.Linear(h, conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(h, value_dim, bias=False)
-            self.in_proj_b = nn.Linear(h, self.hv, bias=False)
-            self.in_proj_a = nn.Linear(h, self.hv, bias=False)
+            self.in_proj_qkv = Linear(h, conv_dim, bias=False)
+            self.in_proj_z = Linear(h, value_dim, bias=False)
+            self.in_proj_b = Linear(h, self.hv, bias=False)
+            self.in_proj_a = Linear(h, self.hv, bias=False)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim,
                                 bias=False)
         self.A_log = nn.Parameter(torch.zeros(self.hv))
         self.dt_bias = nn.Parameter(torch.ones(self.hv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(value_dim, h, bias=False)
+        self.out_proj = Linear(value_dim, h, bias=False)
 
     def inputs(self, xn: torch.Tensor) -> GDNInputs:
         """xn [*, h] (already normed) -> GDNInputs."""

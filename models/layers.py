@@ -6,6 +6,34 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (decode steps) run as `W @ xᵀ`.
+
+    With MKL on CPU, `x @ Wᵀ` for a handful of rows runs well below memory bandwidth, while
+    the same product as `W @ xᵀ` streams W row-major: about 1.6x faster at 8 rows (measured
+    on the 2-core CI machine; bench/engine_vs_hf.py). Larger batches keep F.linear.
+    """
+
+    few_rows = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not 0 < rows <= self.few_rows or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        y = (self.weight @ x.reshape(rows, -1).T).T.contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weightᵀ` with the same few-row strategy as `Linear` (for tied LM heads)."""
+    rows = x.numel() // x.shape[-1]
+    if not 0 < rows <= Linear.few_rows or x.device.type != "cpu":
+        return F.linear(x, weight)
+    return (weight @ x.reshape(rows, -1).T).T.contiguous().reshape(*x.shape[:-1], -1)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm. `zero_centered` (Qwen3-Next/3.5) scales by (1 + w), computed in fp32;
     otherwise (Llama, Qwen3) the fp32-normalised value is cast back before scaling by w."""
@@ -43,9 +71,9 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -61,11 +89,11 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
                  shared_intermediate: int, norm_topk_prob: bool):
         super().__init__()
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate = Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
         self.shared_expert = MLP(hidden, shared_intermediate) if shared_intermediate else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_intermediate else None
+        self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared_intermediate else None
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 

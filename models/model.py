@@ -26,7 +26,7 @@ from kernels.attention import get_backend
 from models.attention import FullAttention
 from models.config import FULL_ATTENTION, ModelConfig
 from models.gdn import GatedDeltaNet, GDNInputs
-from models.layers import MLP, RMSNorm, SparseMoE
+from models.layers import MLP, Linear, RMSNorm, SparseMoE, project
 from models.rope import Rotary
 
 
@@ -70,7 +70,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
 
     # ---- helpers -------------------------------------------------------------------
@@ -136,7 +136,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
-        return self.final_norm(x) @ self.lm_head_weight().T
+        return project(self.final_norm(x), self.lm_head_weight())
 
     # ---- exact reference -----------------------------------------------------------
     @torch.inference_mode()

@@ -32,12 +32,24 @@ class Rotary:
         self.rotary_dim = rotary_dim
         self.head_dim = head_dim
         self.inv_freq = inv_frequencies(rope, rotary_dim)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None   # fp32 [P, rotary_dim]
+
+    def _tables(self, max_pos: int, device: torch.device):
+        """fp32 cos/sin for positions [0, P), P grown by doubling; each row is computed
+        exactly as on the fly (pos · inv_freq), so lookups change no value."""
+        if self._table is None or self._table[0].shape[0] < max_pos \
+                or self._table[0].device != device:
+            size = max(256, 1 << (max_pos - 1).bit_length())
+            pos = torch.arange(size, device=device).float()
+            freqs = pos[:, None] * self.inv_freq.to(device)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._table = (emb.cos(), emb.sin())
+        return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """positions [*] long -> cos, sin [*, rotary_dim] in `dtype` (computed in fp32)."""
-        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self._tables(int(positions.max()) + 1, positions.device)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [*, heads, D]; cos/sin [*, rotary_dim]."""

@@ -18,7 +18,10 @@ def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=Non
     tk, kvh = k.shape[1], k.shape[2]
     g = h // kvh
     scale = d ** -0.5 if scale is None else scale
-    qg = q.view(b, tq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * tq, d)
+    # the fused kernel silently misreads inputs whose last dim is strided (as a transposed
+    # projection output is), so those are copied first
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    qg = q.reshape(b, tq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * tq, d)
     kk, vv = k.transpose(1, 2), v.transpose(1, 2)
     if kv_lens is None and (not causal or tq == 1):
         mask = None

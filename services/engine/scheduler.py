@@ -85,6 +85,17 @@ class Scheduler:
         return False
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_once()
+        # Running prefills can hold every block between them and all stall; give the
+        # oldest room by recomputing the newest, until one of them can move.
+        while out.empty and len(self.running) > 1:
+            preempted = out.preempted
+            self._preempt_newest(out, protect=self.running[0])
+            out = self._schedule_once()
+            out.preempted = preempted + out.preempted
+        return out
+
+    def _schedule_once(self) -> SchedulerOutput:
         out = SchedulerOutput([], [], [])
         budget = self.max_num_batched_tokens
         # 1. decode rows and partial prefills of running sequences, oldest first

@@ -158,3 +158,27 @@ def test_seeded_sampling_is_batch_independent(tiny_checkpoint):
     alone = LLMEngine(model).generate([[1, 2, 3]], p)[0].output_ids
     batched = LLMEngine(model).generate([[7, 8], [1, 2, 3], [4] * 9], p)[1].output_ids
     assert alone == batched
+
+
+def test_stalled_prefills_make_progress(tiny_checkpoint):
+    """Two long prompts admitted together fill the cache mid-prefill; one must yield."""
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    eng = LLMEngine(model, EngineConfig(block_size=4, num_blocks=12, max_prefill_chunk=8,
+                                        max_num_batched_tokens=16))
+    prompts = [list(range(1, 41)), list(range(50, 90))]
+    p = GenerationParams(max_tokens=4, ignore_eos=True)
+    preempted = []
+    orig = eng.scheduler._schedule_once
+
+    def spy():
+        out = orig()
+        if out.empty:
+            preempted.append(len(eng.scheduler.running))
+        return out
+
+    eng.scheduler._schedule_once = spy
+    got = [s.output_ids for s in eng.generate(prompts, p)]
+    ref = [s.output_ids for s in LLMEngine(model).generate(prompts, p)]
+    assert preempted == [2], "both prefills should have stalled once"
+    assert got == ref and eng.blocks.num_free == 12

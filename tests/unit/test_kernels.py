@@ -182,3 +182,14 @@ def test_conv_state_carry_equals_one_pass():
     y3, s3 = causal_conv1d(x[:, 8:], w, s2)
     assert torch.allclose(torch.cat([y1, y2, y3], 1), y_all, atol=1e-5)
     assert torch.equal(s3, s_all) and torch.equal(s_all, x[:, -3:].transpose(1, 2))
+
+
+def test_cpu_flash_accepts_strided_inputs():
+    """Inputs laid out [heads, D, T] in memory (a transposed W @ xᵀ projection) give the
+    same O; the fused kernel alone gets these wrong."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(h, 32, 5).permute(2, 0, 1)[None] for h in (4, 2, 2))
+    assert q.stride(-1) != 1 and k.stride(-1) != 1
+    o, _ = cpu_flash.attention_lse(q, k, v)
+    o_ref, _ = naive.attention_lse(q, k, v)
+    assert rel(o, o_ref) < 1e-5

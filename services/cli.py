@@ -1,0 +1,91 @@
+"""The `splitstack` command line. Each subcommand lives in its own small function."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--token-ids must be comma-separated integers, got {text!r}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kernels.sampling import SamplingParams
+    from models import load_model
+    from services.common.tokenizer import eos_token_ids, load_tokenizer
+    from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
+
+    torch.set_num_threads(args.threads)
+    tokenizer = None
+    if args.prompt is not None:
+        tokenizer = load_tokenizer(args.model)
+        if args.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        else:
+            ids = tokenizer(args.prompt)["input_ids"]
+    else:
+        ids = _token_ids(args.token_ids)
+    model = load_model(args.model, dtype=DTYPES[args.dtype])
+    engine = LLMEngine(model, EngineConfig(block_size=args.block_size),
+                       eos_token_ids=eos_token_ids(args.model))
+    params = GenerationParams(
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed))
+    start = time.perf_counter()
+    try:
+        seq = engine.generate([ids], params)[0]
+    except RequestError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    if tokenizer is not None:
+        print(tokenizer.decode(seq.output_ids, skip_special_tokens=True))
+    if args.print_ids or tokenizer is None:
+        print(",".join(map(str, seq.output_ids)))
+    print(f"[{len(ids)} prompt + {len(seq.output_ids)} generated tokens in {elapsed:.2f}s, "
+          f"finish_reason={seq.finish_reason}]", file=sys.stderr)
+    return 0 if seq.finish_reason != "error" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitstack", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt with the exact engine")
+    gen.add_argument("--model", required=True, help="Hugging Face model directory")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text prompt (needs tokenizer.json in --model)")
+    src.add_argument("--token-ids", help="comma-separated prompt token ids")
+    gen.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--print-ids", action="store_true", help="also print the generated ids")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--threads", type=int, default=2)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

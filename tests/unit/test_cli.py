@@ -1,0 +1,41 @@
+"""`splitstack generate` end to end, as a user runs it (a real subprocess)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from models import load_model
+from services.engine import GenerationParams, LLMEngine
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_generate_token_ids_matches_engine(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_5")
+    proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2,3,4",
+                   "--max-tokens", "6", "--ignore-eos", "--print-ids")
+    assert proc.returncode == 0, proc.stderr
+    printed = [int(t) for t in proc.stdout.strip().splitlines()[-1].split(",")]
+    expect = LLMEngine(load_model(path)).generate(
+        [[1, 2, 3, 4]], GenerationParams(max_tokens=6, ignore_eos=True))[0].output_ids
+    assert printed == expect and len(printed) == 6
+    assert "finish_reason=length" in proc.stderr
+
+
+def test_generate_rejects_overlong_request(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2",
+                   "--max-tokens", "100000")
+    assert proc.returncode == 2 and "max_tokens" in proc.stderr
+
+
+def test_generate_bad_token_ids_message(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    proc = run_cli("generate", "--model", str(path), "--token-ids", "1,x")
+    assert proc.returncode != 0 and "comma-separated integers" in proc.stderr
