@@ -45,10 +45,13 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centered:
+            return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(),
+                              self.eps).to(x.dtype)
+        if x.dtype == torch.float32:     # the fused kernel; same math as the cast path below
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (y * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * y.to(x.dtype)
 
 

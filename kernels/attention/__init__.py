@@ -2,7 +2,8 @@
 
 Contract (see `naive.py`): `attention_lse(q, k, v, *, kv_lens, q_start, causal, scale)` and
 `paged_attention_lse(q, k_cache, v_cache, block_tables, kv_lens, q_start, *, causal, scale)`
-both return `(O [B, Tq, H, D], lse [B, Tq, H] fp32)`. GPU-only modules are imported only when
+both return `(O [B, Tq, H, D], lse [B, Tq, H] fp32)`. For many layers over the same
+cache, `plan_paged(...)` once per step and `run_paged(q, k_cache, v_cache, plan)` per layer. GPU-only modules are imported only when
 selected, so CPU machines never import them.
 """
 from __future__ import annotations

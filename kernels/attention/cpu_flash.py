@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attention.naive import gather_paged, key_mask
+from kernels.attention.naive import PagedPlan, gather_plan, key_mask, plan_paged
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=None):
+def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=None, mask=None):
     """Same contract as `kernels.attention.naive.attention_lse`; O is returned in q's dtype."""
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -23,25 +23,29 @@ def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=Non
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     qg = q.reshape(b, tq, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * tq, d)
     kk, vv = k.transpose(1, 2), v.transpose(1, 2)
-    if kv_lens is None and (not causal or tq == 1):
-        mask = None
-    else:
+    if mask is None and not (kv_lens is None and (not causal or tq == 1)):
         if kv_lens is None:
             kv_lens = torch.full((b,), tk, dtype=torch.long, device=q.device)
         if q_start is None:
             q_start = kv_lens - tq
-        allowed = key_mask(tq, tk, kv_lens, q_start, causal)            # [B, Tq, Tk]
-        mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
-        mask.masked_fill_(~allowed, float("-inf"))
-        mask = mask[:, None].expand(b, g, tq, tk).reshape(b, 1, g * tq, tk)
-    o, lse = _flash(qg, kk, vv, 0.0, False, attn_mask=mask, scale=scale)
+        mask = key_mask(tq, tk, kv_lens, q_start, causal)                # [B, Tq, Tk]
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        additive.masked_fill_(~mask, float("-inf"))
+        additive = additive[:, None].expand(b, g, tq, tk).reshape(b, 1, g * tq, tk)
+    o, lse = _flash(qg, kk, vv, 0.0, False, attn_mask=additive, scale=scale)
     o = o.view(b, kvh, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, h, d)
     lse = lse.view(b, kvh, g, tq).permute(0, 3, 1, 2).reshape(b, tq, h)
     return o, lse.float()
 
 
+def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
+    return attention_lse(q, gather_plan(k_cache, plan), gather_plan(v_cache, plan),
+                         mask=plan.mask, scale=scale)
+
+
 def paged_attention_lse(q, k_cache, v_cache, block_tables, kv_lens, q_start=None, *,
                         causal=True, scale=None):
-    k = gather_paged(k_cache, block_tables)
-    v = gather_paged(v_cache, block_tables)
-    return attention_lse(q, k, v, kv_lens=kv_lens, q_start=q_start, causal=causal, scale=scale)
+    plan = plan_paged(block_tables, kv_lens, k_cache.shape[1], q.shape[1], q_start, causal)
+    return run_paged(q, k_cache, v_cache, plan, scale=scale)

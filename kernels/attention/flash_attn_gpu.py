@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention.naive import PagedPlan, plan_paged  # noqa: F401  (shared planner)
+
 
 def _fa():
     import flash_attn  # noqa: F401  (optional GPU extra)
     return flash_attn
 
 
-def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=None):
+def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=None, mask=None):
+    if mask is not None:
+        raise NotImplementedError("flash-attn takes lengths, not a boolean mask")
     fa = _fa()
     b, tq, h, d = q.shape
     if kv_lens is not None or q_start is not None:
@@ -38,3 +42,9 @@ def paged_attention_lse(q, k_cache, v_cache, block_tables, kv_lens, q_start=None
                                         softmax_scale=scale, causal=causal,
                                         return_softmax_lse=True)
     return o, lse.transpose(1, 2).float()
+
+
+def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
+    """flash-attn reads the blocks in place; only the plan's tables and lengths are used."""
+    return paged_attention_lse(q, k_cache, v_cache, plan.block_tables, plan.kv_lens,
+                               plan.q_start, scale=scale)

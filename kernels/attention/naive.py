@@ -12,6 +12,8 @@ Key positions are absolute: query row `i` of sequence `b` sits at position
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -28,12 +30,14 @@ def key_mask(tq: int, tk: int, kv_lens: torch.Tensor, q_start: torch.Tensor,
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                   kv_lens: torch.Tensor | None = None, q_start: torch.Tensor | None = None,
-                  causal: bool = True, scale: float | None = None):
+                  causal: bool = True, scale: float | None = None,
+                  mask: torch.Tensor | None = None):
     """q [B, Tq, H, D], k/v [B, Tk, KV, D] -> O [B, Tq, H, D] fp32, lse [B, Tq, H] fp32.
 
     GQA: KV head j serves query heads j*G .. j*G+G-1. Defaults: kv_lens = Tk and
-    q_start = kv_lens - Tq (the queries are the last Tq positions). A row that sees no key
-    gets lse = -inf and O = 0.
+    q_start = kv_lens - Tq (the queries are the last Tq positions). A precomputed boolean
+    `mask` [B, Tq, Tk] (from `key_mask`) replaces kv_lens / q_start / causal. A row that sees
+    no key gets lse = -inf and O = 0.
     """
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -45,19 +49,49 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         q_start = kv_lens - tq
     qf = q.float().view(b, tq, kvh, g, d)
     s = torch.einsum("bqkgd,btkd->bkgqt", qf, k.float()) * scale     # [B, KV, G, Tq, Tk]
-    mask = key_mask(tq, tk, kv_lens, q_start, causal)[:, None, None]
-    s = s.masked_fill(~mask, float("-inf"))
+    if mask is None:
+        mask = key_mask(tq, tk, kv_lens, q_start, causal)
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                                  # [B, KV, G, Tq]
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
     o = torch.einsum("bkgqt,btkd->bqkgd", p, v.float()).reshape(b, tq, h, d)
     return o, lse.permute(0, 3, 1, 2).reshape(b, tq, h)
 
 
-def gather_paged(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, KV, D], block_tables [B, nb] -> [B, nb*block_size, KV, D]."""
-    b, nb = block_tables.shape
-    blocks = cache[block_tables.clamp(min=0)]                           # [B, nb, bs, KV, D]
-    return blocks.reshape(b, nb * cache.shape[1], *cache.shape[2:])
+@dataclass
+class PagedPlan:
+    """Per-step view of a paged cache, built once and reused by every layer.
+
+    gather: [B, L] flat cache slots (block * block_size + offset) of each sequence's first
+    L = max(kv_lens) positions (padding points at slot 0); mask: [B, Tq, L] allowed keys.
+    """
+    gather: torch.Tensor
+    mask: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    q_start: torch.Tensor
+
+
+def plan_paged(block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, tq: int,
+               q_start: torch.Tensor | None = None, causal: bool = True) -> PagedPlan:
+    """block_tables [B, nb] (entries past a sequence's blocks may be -1), kv_lens [B]."""
+    q_start = kv_lens - tq if q_start is None else q_start
+    length = int(kv_lens.max()) if kv_lens.numel() else 0
+    pos = torch.arange(length, device=kv_lens.device)
+    blocks = block_tables[:, pos // block_size].clamp(min=0)
+    gather = blocks * block_size + pos % block_size
+    mask = key_mask(tq, length, kv_lens, q_start, causal)
+    return PagedPlan(gather, mask, block_tables, kv_lens, q_start)
+
+
+def gather_plan(cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
+    """cache [num_blocks, block_size, KV, D] -> [B, L, KV, D]."""
+    return cache.view(-1, *cache.shape[2:])[plan.gather]
+
+
+def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
+    return attention_lse(q, gather_plan(k_cache, plan), gather_plan(v_cache, plan),
+                         mask=plan.mask, scale=scale)
 
 
 def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -70,6 +104,5 @@ def paged_attention_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     (entries past a sequence's last block may be any value, e.g. -1); kv_lens [B] cached
     positions per sequence. Returns (O [B, Tq, H, D] fp32, lse [B, Tq, H] fp32).
     """
-    k = gather_paged(k_cache, block_tables)
-    v = gather_paged(v_cache, block_tables)
-    return attention_lse(q, k, v, kv_lens=kv_lens, q_start=q_start, causal=causal, scale=scale)
+    plan = plan_paged(block_tables, kv_lens, k_cache.shape[1], q.shape[1], q_start, causal)
+    return run_paged(q, k_cache, v_cache, plan, scale=scale)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import get_backend
+from kernels.attention.naive import PagedPlan
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
@@ -31,14 +32,13 @@ class StepTensors:
     positions: torch.Tensor       # [N]
     slots: torch.Tensor           # [N] flat cache slot of each row
     num_decode: int
-    dec_tables: torch.Tensor      # [Bd, max_blocks] (-1 padded)
-    dec_lens: torch.Tensor        # [Bd] cached positions after this step
+    dec_plan: PagedPlan | None    # decode rows' view of the paged cache (shared by layers)
     dec_state_slots: torch.Tensor  # [Bd]
-    prefill: list[tuple[int, int, int, torch.Tensor, int | None]]  # (row0, start, len, table, slot)
+    prefill: list[tuple[int, int, PagedPlan | None, int | None]]  # (row0, len, plan, slot)
     sample_rows: torch.Tensor     # [S]
 
 
-def prepare(out: SchedulerOutput, block_size: int, device) -> StepTensors:
+def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTensors:
     ids, positions, slots = [], [], []
     for c in out.chunks:
         toks = c.seq.tokens[c.start:c.start + c.length]
@@ -48,21 +48,23 @@ def prepare(out: SchedulerOutput, block_size: int, device) -> StepTensors:
             slots.append(c.seq.block_table[p // block_size] * block_size + p % block_size)
     width = max((len(c.seq.block_table) for c in out.decode), default=0)
     tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in out.decode]
-    prefill, row, sample_rows = [], 0, []
-    for c in out.decode:
-        sample_rows.append(row)
-        row += 1
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    prefill, row, sample_rows = [], len(out.decode), list(range(len(out.decode)))
     for c in out.prefill:
-        prefill.append((row, c.start, c.length,
-                        torch.tensor(c.seq.block_table, dtype=torch.long, device=device),
-                        c.seq.state_slot))
+        plan = None
+        if c.start > 0:     # continues a sequence: attend over its cached prefix as well
+            plan = backend.plan_paged(as_long([c.seq.block_table]), as_long([c.start + c.length]),
+                                      block_size, c.length, as_long([c.start]))
+        prefill.append((row, c.length, plan, c.seq.state_slot))
         row += c.length
         if c.sample:
             sample_rows.append(row - 1)
-    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    dec_plan = None
+    if out.decode:
+        dec_plan = backend.plan_paged(as_long(tables).view(len(tables), width),
+                                      as_long([c.start + 1 for c in out.decode]), block_size, 1)
     return StepTensors(
-        as_long(ids), as_long(positions), as_long(slots), len(out.decode),
-        as_long(tables).view(len(tables), width), as_long([c.start + 1 for c in out.decode]),
+        as_long(ids), as_long(positions), as_long(slots), len(out.decode), dec_plan,
         as_long([c.seq.state_slot if c.seq.state_slot is not None else 0 for c in out.decode]),
         prefill, as_long(sample_rows))
 
@@ -75,7 +77,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
-        st = prepare(out, self.cache.block_size, self.model.device)
+        st = prepare(out, self.cache.block_size, self.model.device, self.attn)
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.cache.reset_slot(c.seq.state_slot)
@@ -95,17 +97,14 @@ class ModelRunner:
         o = torch.empty_like(a.q)
         nd = st.num_decode
         if nd:
-            o[:nd] = self.attn.paged_attention_lse(
-                a.q[:nd, None], k_cache, v_cache, st.dec_tables, st.dec_lens)[0][:, 0]
-        for row, start, n, table, _ in st.prefill:
+            o[:nd] = self.attn.run_paged(a.q[:nd, None], k_cache, v_cache, st.dec_plan)[0][:, 0]
+        for row, n, plan, _ in st.prefill:
             q = a.q[row:row + n][None]
-            if start == 0:   # fresh prompt: its keys are exactly this chunk's rows
+            if plan is None:   # fresh prompt: its keys are exactly this chunk's rows
                 o_seq, _ = self.attn.attention_lse(q, a.k[row:row + n][None],
                                                    a.v[row:row + n][None], causal=True)
             else:
-                o_seq, _ = self.attn.paged_attention_lse(
-                    q, k_cache, v_cache, table[None], torch.tensor([start + n]),
-                    torch.tensor([start]))
+                o_seq, _ = self.attn.run_paged(q, k_cache, v_cache, plan)
             o[row:row + n] = o_seq[0]
         return self.model.attn_output(l, x, o, a.gate)
 
@@ -120,7 +119,7 @@ class ModelRunner:
             dec = GDNInputs(*(t[:nd, None] for t in inp))
             o_dec, conv[sl], rec[sl] = self.model.gdn_mix(l, dec, conv[sl], rec[sl])
             o[:nd] = o_dec[:, 0]
-        for row, start, n, _, slot in st.prefill:
+        for row, n, _, slot in st.prefill:
             seq_in = GDNInputs(*(t[row:row + n][None] for t in inp))
             o_seq, c_new, r_new = self.model.gdn_mix(l, seq_in, conv[slot:slot + 1],
                                                      rec[slot:slot + 1])
