@@ -140,8 +140,10 @@ class CausalLM(nn.Module):
 
     # ---- exact reference -----------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, attention_backend: str | None = None) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab]; exact, no cache."""
+    def forward(self, input_ids: torch.Tensor, attention_backend: str | None = None,
+                last_n: int | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] (or of the last `last_n` positions);
+        exact, no cache."""
         backend = get_backend(attention_backend, self.device)
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
@@ -156,4 +158,4 @@ class CausalLM(nn.Module):
                 o, _, _ = self.gdn_mix(l, inp)
                 h = self.gdn_output(l, x, o, inp.z)
             x = self.mlp(l, h)
-        return self.final(x)
+        return self.final(x if last_n is None else x[:, -last_n:])

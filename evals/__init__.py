@@ -1,0 +1,1 @@
+"""Quality harness: filled-region retrieval, key-token loss, new-token loss, agreement."""

@@ -1,0 +1,64 @@
+"""Arms: pluggable prefill strategies compared by the harness.
+
+An arm answers two questions about a prompt: the logits it yields at the last `tail_len`
+positions (for losses and agreement), and its greedy completion (for retrieval). `exact` is
+the reference; RidgeFill and Tail-Replay register their own arms with `register_arm`.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from models.model import CausalLM
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+
+ARMS: dict[str, type["Arm"]] = {}
+
+
+def register_arm(name: str):
+    def wrap(cls):
+        cls.name = name
+        ARMS[name] = cls
+        return cls
+    return wrap
+
+
+def make_arm(name: str, model: CausalLM, **options) -> "Arm":
+    if name not in ARMS:
+        raise ValueError(f"unknown arm {name!r}; registered: {sorted(ARMS)}")
+    return ARMS[name](model, **options)
+
+
+class Arm(ABC):
+    name = "arm"
+
+    def __init__(self, model: CausalLM, **options):
+        self.model = model
+        self.options = options
+
+    @abstractmethod
+    def tail_logits(self, ids: list[int], tail_len: int) -> torch.Tensor:
+        """Logits [tail_len, V] at the prompt's last `tail_len` positions."""
+
+    @abstractmethod
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions of each prompt (no EOS stop: the caller trims)."""
+
+
+@register_arm("exact")
+class ExactArm(Arm):
+    """The exact model: full forward for logits, the exact engine for completions."""
+
+    def __init__(self, model: CausalLM, **options):
+        super().__init__(model, **options)
+        self.engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=4096,
+                                                    max_prefill_chunk=4096, max_num_seqs=8))
+
+    @torch.inference_mode()
+    def tail_logits(self, ids: list[int], tail_len: int) -> torch.Tensor:
+        return self.model.forward(torch.tensor([ids]), last_n=tail_len)[0].float()
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)
+        return [s.output_ids for s in self.engine.generate(prompts, params)]

@@ -1,0 +1,177 @@
+"""`splitstack eval`: held-out loss, key-token / new-token loss, agreement and retrieval.
+
+For each context length N: `n_docs` held-out documents (tokens N, tail T) give the losses;
+`n_items` items per task give retrieval, split into filled-region (needles before the tail)
+and tail items. Every arm sees the same documents and items; intervals are 95% percentile
+bootstraps (5,000 resamples within task) and arms are compared to `exact` by paired
+differences.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from evals import arms as arms_mod
+from evals.corpus import SOURCE_NAME, documents, haystack_text
+from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
+                           paired_difference, token_losses)
+from evals.tasks import TASKS, make_items
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    lengths: tuple[int, ...] = (1024, 2048)
+    tasks: tuple[str, ...] = TASKS
+    n_items: int = 10
+    n_docs: int = 6
+    tail_len: int = 256
+    resamples: int = 5000
+    seed: int = 0
+
+    def __post_init__(self):
+        bad = set(self.tasks) - set(TASKS)
+        if bad:
+            raise ValueError(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
+        if any(n <= self.tail_len + 64 for n in self.lengths):
+            raise ValueError(f"every length must exceed tail_len + 64 = {self.tail_len + 64}")
+
+
+@dataclass
+class ArmResult:
+    # metric name -> task (or "docs") -> per-item values, paired across arms by position
+    values: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def add(self, metric: str, group: str, value: float) -> None:
+        self.values.setdefault(metric, {}).setdefault(group, []).append(value)
+
+
+def doc_token_windows(tokenizer, n_docs: int, length: int) -> list[list[int]]:
+    """`n_docs` windows of `length` tokens, one per held-out document long enough."""
+    out = []
+    for doc in documents("eval"):
+        ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= length:
+            out.append(ids[:length])
+        if len(out) == n_docs:
+            break
+    return out
+
+
+def evaluate_losses(arm, exact_arm, docs: list[list[int]], cfg: EvalConfig, result: ArmResult,
+                    length: int) -> None:
+    t = cfg.tail_len
+    for ids in docs:
+        target = torch.tensor(ids[-t:])
+        exact_logits = exact_arm.tail_logits(ids, t)
+        logits = exact_logits if arm is exact_arm else arm.tail_logits(ids, t)
+        loss = token_losses(logits, target)                            # [T−1]
+        loss_full = token_losses(exact_logits, target)
+        loss_trunc = token_losses(exact_arm.tail_logits(ids[-t:], t), target)
+        key = key_token_mask(loss_full, loss_trunc)
+        new = torch.from_numpy(new_token_mask(ids)[-t + 1:])
+        group = f"docs@{length}"
+        result.add("loss", group, loss.mean().item())
+        result.add("new_token_loss", group, loss[new].mean().item())
+        if key.any():
+            result.add("key_token_loss", group, loss[key].mean().item())
+            result.add("key_tokens", group, float(key.sum()))
+        agr = agreement(exact_logits[:-1], logits[:-1])
+        result.add("top1_agreement", group, agr["top1"])
+        result.add("kl_median", group, agr["kl_median"])
+        result.add("kl_mean", group, agr["kl_mean"])
+
+
+def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: ArmResult,
+                       length: int) -> None:
+    for task, items in items_by_task.items():
+        max_tokens = 40 if task == "multivalue" else 14
+        outs = arm.complete([it.prompt_ids for it in items], max_tokens)
+        for it, out in zip(items, outs):
+            score = it.score(tokenizer.decode(out, skip_special_tokens=True))
+            region = "filled" if it.in_filled_region(cfg.tail_len) else "tail"
+            result.add(f"retrieval_{region}", f"{task}@{length}", score)
+            result.add("retrieval", f"{task}@{length}", score)
+
+
+def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
+             dtype: torch.dtype = torch.float32, log=print) -> dict:
+    from models import load_model
+    from services.common.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, dtype=dtype)
+    arm_objs = {name: arms_mod.make_arm(name, model) for name in arm_names}
+    exact = arm_objs.get("exact") or arms_mod.make_arm("exact", model)
+    filler = tokenizer(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
+    results = {name: ArmResult() for name in arm_names}
+    timings: dict[str, float] = {}
+    for length in cfg.lengths:
+        docs = doc_token_windows(tokenizer, cfg.n_docs, length)
+        items = {task: make_items(task, tokenizer, filler, length, cfg.n_items, cfg.seed)
+                 for task in cfg.tasks}
+        for name, arm in arm_objs.items():
+            start = time.perf_counter()
+            evaluate_losses(arm, exact, docs, cfg, results[name], length)
+            evaluate_retrieval(arm, items, tokenizer, cfg, results[name], length)
+            timings[f"{name}@{length}"] = time.perf_counter() - start
+            log(f"[eval] {name} @ {length}: {timings[f'{name}@{length}']:.1f}s")
+    return summarize(results, cfg, model_dir, timings)
+
+
+def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings) -> dict:
+    summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
+               "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
+    for name, res in results.items():
+        arm_sum = summary["arms"][name] = {}
+        for metric, groups in res.values.items():
+            for group, vals in groups.items():
+                mean, lo, hi = bootstrap_ci({group: vals}, cfg.resamples, cfg.seed)
+                arm_sum.setdefault(metric, {})[group] = {"mean": mean, "ci": [lo, hi],
+                                                         "n": len(vals)}
+        if name != "exact" and "exact" in results:
+            ex = results["exact"].values
+            for metric in ("loss", "new_token_loss", "key_token_loss", "retrieval"):
+                if metric in res.values and metric in ex:
+                    mean, lo, hi = paired_difference(res.values[metric], ex[metric],
+                                                     cfg.resamples, cfg.seed)
+                    summary["paired_vs_exact"].setdefault(name, {})[metric] = {
+                        "mean": mean, "ci": [lo, hi]}
+    return summary
+
+
+def markdown_table(summary: dict) -> str:
+    lines = []
+    for name, metrics in summary["arms"].items():
+        lines.append(f"### arm `{name}`\n")
+        lines.append("| metric | group | mean | 95% CI | n |\n|---|---|---|---|---|")
+        for metric, groups in metrics.items():
+            for group, s in sorted(groups.items()):
+                pct = metric.startswith("retrieval")
+                fmt = (lambda v: f"{100 * v:.1f}%") if pct else (lambda v: f"{v:.3f}")
+                lines.append(f"| {metric} | {group} | {fmt(s['mean'])} | "
+                             f"[{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | {s['n']} |")
+        lines.append("")
+    for name, metrics in summary["paired_vs_exact"].items():
+        lines.append(f"### `{name}` − `exact` (paired)\n")
+        lines.append("| metric | mean | 95% CI |\n|---|---|---|")
+        for metric, s in metrics.items():
+            lines.append(f"| {metric} | {s['mean']:+.3f} | [{s['ci'][0]:+.3f}, "
+                         f"{s['ci'][1]:+.3f}] |")
+        lines.append("")
+    lines.append(f"corpus: {summary['corpus']} (held-out split); tail_len "
+                 f"{summary['config']['tail_len']}")
+    return "\n".join(lines)
+
+
+def write_outputs(summary: dict, out: str | Path | None) -> str:
+    table = markdown_table(summary)
+    if out:
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2))
+        out.with_suffix(".md").write_text(table + "\n")
+    return table
