@@ -31,6 +31,7 @@ class EvalConfig:
     tail_len: int = 256
     resamples: int = 5000
     seed: int = 0
+    chat: bool = False          # wrap items in the model's chat template
 
     def __post_init__(self):
         bad = set(self.tasks) - set(TASKS)
@@ -111,8 +112,8 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
     timings: dict[str, float] = {}
     for length in cfg.lengths:
         docs = doc_token_windows(tokenizer, cfg.n_docs, length)
-        items = {task: make_items(task, tokenizer, filler, length, cfg.n_items, cfg.seed)
-                 for task in cfg.tasks}
+        items = {task: make_items(task, tokenizer, filler, length, cfg.n_items, cfg.seed,
+                                  cfg.chat) for task in cfg.tasks}
         for name, arm in arm_objs.items():
             start = time.perf_counter()
             evaluate_losses(arm, exact, docs, cfg, results[name], length)

@@ -23,17 +23,22 @@ KEYS = ["harbor", "lantern", "meadow", "copper", "violet", "glacier", "orchard",
 WORDS = ["pelican", "turnip", "sonnet", "walrus", "trumpet", "biscuit", "volcano", "pyramid",
          "lobster", "cactus", "anchor", "kettle", "raccoon", "saddle", "tornado", "zeppelin"]
 
-# (needle, question, answer prefix); {k} key, {v} value, {kind} "number" or "word"
+# (needle, question, answer prefix); {k} key, {v} value, {kind} "number" or "word".
+# Needles state the value twice (the classic passkey form): measured on SmolLM2-135M at 2K,
+# single-needle retrieval rose from 62% (one statement) to 100% with it.
 TEMPLATES = [
-    ("The special magic {kind} for {k} is: {v}.",
-     "What is the special magic {kind} for {k} mentioned in the provided text?",
-     "The special magic {kind} for {k} mentioned in the provided text is"),
-    ("Remember this: the secret {kind} of the {k} project is {v}.",
-     "What is the secret {kind} of the {k} project?",
-     "The secret {kind} of the {k} project is"),
-    ("One of the special magic {kind}s for {k} is: {v}.",
-     "What are all the special magic {kind}s for {k} mentioned in the provided text?",
-     "The special magic {kind}s for {k} mentioned in the provided text are"),
+    ("The special magic {kind} for {k} is: {v}. Remember it. {v} is the special magic "
+     "{kind} for {k}.",
+     "What is the special magic {kind} for {k}?",
+     "The special magic {kind} for {k} is"),
+    ("The pass {kind} of the {k} project is {v}. Remember it. {v} is the pass {kind} of the "
+     "{k} project.",
+     "What is the pass {kind} of the {k} project?",
+     "The pass {kind} of the {k} project is"),
+    ("One of the special magic {kind}s for {k} is: {v}. Remember it. {v} is one of the "
+     "special magic {kind}s for {k}.",
+     "What are all the special magic {kind}s for {k}?",
+     "The special magic {kind}s for {k} are"),
 ]
 INSTRUCTION = ("Some special magic values are hidden inside the following text. "
                "Make sure to memorize them. I will quiz you about them afterwards.\n\n")
@@ -61,9 +66,24 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
+def chat_wrappers(tokenizer) -> tuple[str, str, str]:
+    """(before user text, between user text and answer, marker) from the chat template, or
+    empty strings for a model without one. The answer prefix is put in the assistant turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        return "", "", ""
+    marker = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}],
+                                         add_generation_prompt=True, tokenize=False)
+    before, after = text.split(marker)
+    return before, after, marker
+
+
 def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, depth: float,
-              rng: random.Random, template: int) -> Item:
-    """Build one item; `filler_ids` is tokenized haystack text (long enough for the context)."""
+              rng: random.Random, template: int, chat: bool = False) -> Item:
+    """Build one item; `filler_ids` is tokenized haystack text (long enough for the context).
+    By default the item is a plain completion (as RULER prompts base models); with `chat`
+    the text is the user turn of the model's chat template and the answer prefix starts the
+    assistant turn (SmolLM2-135M retrieves less reliably that way)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
     kind = "word" if task == "word" else "number"
@@ -80,8 +100,9 @@ def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, dep
         needles = [needle_t.format(kind=kind, k=key, v=values[0])]
         needles += [needle_t.format(kind=kind, k=k, v=make_value()) for k in keys[1:]]
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    head = encode(INSTRUCTION)
-    tail = encode("\n\n" + question_t.format(kind=kind, k=key) + "\n"
+    before, after, _ = chat_wrappers(tokenizer) if chat else ("", "", "")
+    head = encode(before + INSTRUCTION)
+    tail = encode("\n\n" + question_t.format(kind=kind, k=key) + (after or "\n")
                   + prefix_t.format(kind=kind, k=key))
     needle_ids = [encode(" " + n + " ") for n in needles]
     budget = context_len - len(head) - len(tail) - sum(len(n) for n in needle_ids)
@@ -105,9 +126,9 @@ def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, dep
 
 
 def make_items(task: str, tokenizer, filler_ids: list[int], context_len: int, n: int,
-               seed: int = 0) -> list[Item]:
+               seed: int = 0, chat: bool = False) -> list[Item]:
     """n items with depths spread evenly over [0.05, 0.95] and templates alternating."""
     rng = random.Random(f"{task}-{context_len}-{seed}")
     depths = [0.05 + 0.9 * i / max(1, n - 1) for i in range(n)]
-    return [make_item(task, tokenizer, filler_ids, context_len, d, rng, i)
+    return [make_item(task, tokenizer, filler_ids, context_len, d, rng, i, chat)
             for i, d in enumerate(depths)]

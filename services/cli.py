@@ -74,7 +74,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = EvalConfig(lengths=tuple(int(x) for x in args.lengths.split(",")),
                      tasks=tuple(args.tasks.split(",")), n_items=args.n_items,
-                     n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed)
+                     n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed,
+                     chat=args.chat)
     start = time.perf_counter()
     summary = run_eval(args.model, args.arms.split(","), cfg, DTYPES[args.dtype],
                        log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--n-docs", type=int, default=6, help="loss documents per length")
     ev.add_argument("--tail-len", type=int, default=256)
     ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--chat", action="store_true", help="wrap items in the chat template")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--threads", type=int, default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")

@@ -1,0 +1,103 @@
+"""Each eval metric on hand-built cases, and the task builder on a toy tokenizer."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
+                           paired_difference, token_losses)
+from evals.tasks import Item, make_item
+
+
+def test_key_token_mask_threshold_is_strict():
+    full = torch.tensor([1.0, 0.5, 3.0, 0.1])
+    trunc = torch.tensor([3.5, 2.5, 3.1, 2.1])       # rises: 2.5, 2.0, 0.1, 2.0
+    assert key_token_mask(full, trunc).tolist() == [True, False, False, False]
+
+
+def test_token_losses_shift_by_one():
+    logits = torch.full((3, 5), -1e4)
+    logits[0, 2] = logits[1, 4] = 0.0                 # predicts ids[1] = 2, ids[2] = 4
+    assert torch.allclose(token_losses(logits, torch.tensor([9, 2, 4])), torch.zeros(2))
+
+
+def test_new_token_mask_excludes_repeated_spans():
+    span = list(range(100, 108))
+    ids = [1, 2] + span + [3, 4, 5] + span + [6]
+    mask = new_token_mask(ids, span=8)
+    assert mask[:13].all()                            # first occurrence stays "new"
+    assert not mask[13:21].any() and mask[21]         # the repeat is excluded, then new again
+    assert new_token_mask([7] * 7, span=8).all()      # shorter than a span: nothing repeats
+
+
+def test_new_token_mask_partial_overlap():
+    ids = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5, 6, 7, 8, 0]
+    mask = new_token_mask(ids, span=8)
+    assert mask.tolist() == [True] * 9 + [False] * 8 + [True]
+
+
+def test_agreement_identical_and_different():
+    a = torch.randn(6, 10)
+    same = agreement(a, a.clone())
+    assert same["top1"] == 1.0 and abs(same["kl_mean"]) < 1e-6
+    b = a.clone()
+    b[0] = -a[0]                                      # flips row 0's argmax
+    diff = agreement(a, b)
+    assert abs(diff["top1"] - 5 / 6) < 1e-6 and diff["kl_mean"] > 0 and diff["kl_median"] < 1e-6
+
+
+def test_bootstrap_interval_covers_true_mean_at_nominal_rate():
+    """Bernoulli(0.3) samples of 40: the 95% interval should cover 0.3 ~95% of the time."""
+    rng = np.random.default_rng(1)
+    covered = 0
+    trials = 300
+    for t in range(trials):
+        vals = {"task": (rng.random(40) < 0.3).astype(float).tolist()}
+        _, lo, hi = bootstrap_ci(vals, resamples=1000, seed=t)
+        covered += lo <= 0.3 <= hi
+    assert 0.88 <= covered / trials <= 0.99
+
+
+def test_bootstrap_resamples_within_task():
+    """A task of constant values adds no variance: the interval only reflects the other."""
+    _, lo, hi = bootstrap_ci({"a": [1.0] * 20, "b": [0.0] * 20})
+    assert lo == hi == 0.5
+
+
+def test_paired_difference_sees_consistent_small_gap():
+    base = list(np.linspace(0, 5, 30))
+    mean, lo, hi = paired_difference({"t": [x + 0.1 for x in base]}, {"t": base})
+    assert abs(mean - 0.1) < 1e-9 and lo > 0.09 and hi < 0.11
+
+
+class ToyTokenizer:
+    """One token per whitespace-separated word (stable ids)."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]}
+
+
+def test_item_places_needle_at_depth_and_records_region():
+    tok = ToyTokenizer()
+    filler = tok(" ".join(f"w{i}" for i in range(5000)))["input_ids"]
+    item = make_item("single", tok, filler, 400, 0.1, random.Random(0), 0)
+    assert len(item.prompt_ids) == 400
+    pos = item.needle_positions[0]
+    inv = {v: k for k, v in tok.vocab.items()}
+    assert inv[item.prompt_ids[pos]] == "The" and item.answers[0] + "." in [
+        inv[t] for t in item.prompt_ids[pos:pos + 12]]
+    assert item.in_filled_region(tail_len=100)
+    late = make_item("single", tok, filler, 400, 0.97, random.Random(0), 0)
+    assert not late.in_filled_region(tail_len=100)
+
+
+def test_multivalue_item_scores_partial_answers():
+    item = Item("multivalue", 10, 0.5, [0] * 10, ["111", "222", "333"], [1, 2, 3])
+    assert item.score("values are 111 and 333") == 2 / 3
