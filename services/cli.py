@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -84,6 +85,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_derive(args: argparse.Namespace) -> int:
+    from models.zoo import derive
+
+    torch.set_num_threads(args.threads)
+    if args.what == "qknorm":
+        recipe = derive.derive_qknorm(args.parent, args.out, steps=args.steps,
+                                      seq_len=args.seq_len, rank=args.rank, seed=args.seed,
+                                      log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps(recipe, indent=2))
+    else:
+        print(f"rebuilt {derive.apply_qknorm(args.parent, args.out)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.gateway.server import build_embedded
+
+    torch.set_num_threads(args.threads)
+    app = build_embedded(args.model, served_name=args.served_model_name,
+                         dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs)
+    print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
+          f"(embedded exact engine)", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitstack", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +155,31 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
     ev.set_defaults(func=cmd_eval)
+
+    der = sub.add_parser("derive", help="derive a checkpoint from SmolLM2 (see models/zoo)")
+    der.add_argument("what", choices=["qknorm", "apply-qknorm"],
+                     help="qknorm: calibrate + distil and store the delta; "
+                          "apply-qknorm: rebuild the checkpoint from the stored delta")
+    der.add_argument("--parent", default="models/zoo/smollm2-135m")
+    der.add_argument("--out", default="models/zoo/smollm2-qknorm")
+    der.add_argument("--steps", type=int, default=120)
+    der.add_argument("--seq-len", type=int, default=384)
+    der.add_argument("--rank", type=int, default=16)
+    der.add_argument("--seed", type=int, default=0)
+    der.add_argument("--threads", type=int, default=2)
+    der.set_defaults(func=cmd_derive)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", default="models/zoo/smollm2-135m")
+    srv.add_argument("--served-model-name", default=None,
+                     help="name clients use (default: the directory name)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    srv.add_argument("--max-num-seqs", type=int, default=16)
+    srv.add_argument("--threads", type=int, default=2)
+    srv.add_argument("--log-level", default="info")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

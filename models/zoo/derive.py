@@ -1,0 +1,208 @@
+"""Derived checkpoints built from SmolLM2 by the project's own tools (`splitstack derive`).
+
+`smollm2-qknorm` (Qwen3 family): per-head RMSNorm inserted on q and k of every layer.
+  1. calibrate: each norm weight is the least-squares fit of the raw projection from its
+     normalised version on calibration text, w_d = Σ q_d n_d / Σ n_d² with n = q / rms(q),
+     so the normed q/k keep their typical per-channel scale;
+  2. recover: distil against the parent's logits (KL), training only the norm weights and
+     rank-r LoRA factors on q_proj / k_proj; everything else stays frozen;
+  3. store the delta (norm weights + LoRA factors, a few MB) in `models/zoo/deltas/`;
+     `apply_qknorm` rebuilds the full checkpoint from the parent and the delta.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from models.config import ModelConfig
+from models.loader import load_model, read_state_dict
+from models.model import CausalLM
+
+DELTA_DIR = Path(__file__).with_name("deltas")
+
+
+class LoraLinear(nn.Module):
+    """y = x Wᵀ + (x Aᵀ) Bᵀ with W frozen; B starts at zero so training starts at W."""
+
+    def __init__(self, base: nn.Linear, rank: int, seed: int):
+        super().__init__()
+        self.base = base
+        gen = torch.Generator().manual_seed(seed)
+        self.A = nn.Parameter(torch.randn(rank, base.in_features, generator=gen)
+                              / math.sqrt(base.in_features))
+        self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x):
+        return F.linear(x, self.base.weight) + F.linear(F.linear(x, self.A), self.B)
+
+    def merged(self) -> torch.Tensor:
+        return self.base.weight + self.B @ self.A
+
+
+def train_logits(model: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """Differentiable forward of a dense model (SDPA for the sweep), built from the stages."""
+    b, t = ids.shape
+    pos = torch.arange(t).expand(b, t)
+    x = model.embed(ids)
+    for l in range(model.config.num_hidden_layers):
+        a = model.attn_inputs(l, x, pos)
+        o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
+                                           a.v.transpose(1, 2), is_causal=True,
+                                           enable_gqa=True).transpose(1, 2)
+        x = model.mlp(l, model.attn_output(l, x, o, a.gate))
+    return model.final(x)
+
+
+def qknorm_config(parent_dir: Path) -> dict:
+    cfg = json.loads((parent_dir / "config.json").read_text())
+    if cfg["model_type"] != "llama":
+        raise ValueError(f"qknorm derivation starts from a llama checkpoint, got "
+                         f"{cfg['model_type']!r}")
+    cfg = dict(cfg, model_type="qwen3", architectures=["Qwen3ForCausalLM"])
+    for key in ("mlp_bias", "pretraining_tp"):
+        cfg.pop(key, None)
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg
+
+
+def build_child(parent_dir: Path, norms: dict[str, torch.Tensor]) -> tuple[CausalLM, dict]:
+    cfg_dict = qknorm_config(parent_dir)
+    state = read_state_dict(parent_dir, torch.float32)
+    if cfg_dict.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    state.update(norms)
+    with torch.device("meta"):
+        child = CausalLM(ModelConfig.from_hf(cfg_dict))
+    child.load_state_dict(state, assign=True, strict=True)
+    child.rotary.inv_freq = child.rotary.inv_freq.to("cpu")
+    return child.eval(), cfg_dict
+
+
+@torch.no_grad()
+def calibrate_norms(parent: CausalLM, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    cfg = parent.config
+    eps = cfg.rms_norm_eps
+    sums = {}
+    for ids in batches:
+        x = parent.embed(ids)
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        for l in range(cfg.num_hidden_layers):
+            attn = parent.layer(l).self_attn
+            xn = parent.norm_in(l, x)
+            for name, proj, heads in (("q", attn.q_proj, cfg.num_attention_heads),
+                                      ("k", attn.k_proj, cfg.num_key_value_heads)):
+                raw = proj(xn).view(-1, cfg.head_dim)                     # [N·heads, D]
+                n = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + eps)
+                num, den = sums.get((l, name), (0.0, 0.0))
+                sums[(l, name)] = (num + (raw * n).sum(0), den + n.pow(2).sum(0))
+            a = parent.attn_inputs(l, x, pos)
+            o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
+                                               a.v.transpose(1, 2), is_causal=True,
+                                               enable_gqa=True).transpose(1, 2)
+            x = parent.mlp(l, parent.attn_output(l, x, o, a.gate))
+    return {f"model.layers.{l}.self_attn.{name}_norm.weight": num / den
+            for (l, name), (num, den) in sums.items()}
+
+
+def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 120,
+                  seq_len: int = 384, rank: int = 16, lr: float = 2e-3, seed: int = 0,
+                  log=print) -> dict:
+    """Calibrate + distil; writes the delta and the full checkpoint. Returns the recipe."""
+    from evals.corpus import documents
+    from services.common.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    parent_dir, out_dir = Path(parent_dir), Path(out_dir)
+    parent = load_model(parent_dir)
+    tok = load_tokenizer(parent_dir)
+    text = "\n\n".join(d.text for d in documents("calib"))
+    ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+    n_windows = len(ids) // seq_len
+    windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
+    start = time.perf_counter()
+    norms = calibrate_norms(parent, [windows[order[i]][None] for i in range(4)])
+    log(f"[derive] calibrated {len(norms)} norm weights in {time.perf_counter() - start:.0f}s")
+    child, cfg_dict = build_child(parent_dir, norms)
+    child.requires_grad_(False)
+    trainable = []
+    for l in range(child.config.num_hidden_layers):
+        attn = child.layer(l).self_attn
+        attn.q_norm.weight.requires_grad_(True)
+        attn.k_norm.weight.requires_grad_(True)
+        trainable += [attn.q_norm.weight, attn.k_norm.weight]
+        attn.q_proj = LoraLinear(attn.q_proj, rank, seed + 2 * l)
+        attn.k_proj = LoraLinear(attn.k_proj, rank, seed + 2 * l + 1)
+        trainable += [attn.q_proj.A, attn.q_proj.B, attn.k_proj.A, attn.k_proj.B]
+    opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        batch = windows[order[4 + step % (n_windows - 4)]][None]
+        with torch.no_grad():
+            teacher = torch.log_softmax(train_logits(parent, batch), -1)
+        student = torch.log_softmax(train_logits(child, batch), -1)
+        loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean") / seq_len
+        opt.zero_grad()
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 10) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        opt.step()
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            log(f"[derive] step {step}: KL {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+    delta = {}
+    for l in range(child.config.num_hidden_layers):
+        attn = child.layer(l).self_attn
+        p = f"model.layers.{l}.self_attn"
+        delta[f"{p}.q_norm.weight"] = attn.q_norm.weight.detach().clone()
+        delta[f"{p}.k_norm.weight"] = attn.k_norm.weight.detach().clone()
+        for name in ("q_proj", "k_proj"):
+            lora = getattr(attn, name)
+            delta[f"{p}.{name}.lora_A"] = lora.A.detach().clone()
+            delta[f"{p}.{name}.lora_B"] = lora.B.detach().clone()
+    recipe = {"name": "smollm2-qknorm", "parent": "smollm2-135m", "steps": steps,
+              "seq_len": seq_len, "rank": rank, "lr": lr, "seed": seed,
+              "data": "python-stdlib-docstrings (calib split)", "objective": "KL to parent",
+              "kl_first": losses[0], "kl_last10": sum(losses[-10:]) / min(10, len(losses)),
+              "seconds": round(time.perf_counter() - start)}
+    DELTA_DIR.mkdir(exist_ok=True)
+    save_file(delta, str(DELTA_DIR / "smollm2-qknorm.safetensors"),
+              metadata={"recipe": json.dumps(recipe)})
+    apply_qknorm(parent_dir, out_dir)
+    return recipe
+
+
+def apply_qknorm(parent_dir: str | Path, out_dir: str | Path,
+                 delta_path: str | Path | None = None) -> Path:
+    """Rebuild the full smollm2-qknorm checkpoint from the parent and the stored delta."""
+    import shutil
+
+    parent_dir, out_dir = Path(parent_dir), Path(out_dir)
+    delta = load_file(str(delta_path or DELTA_DIR / "smollm2-qknorm.safetensors"))
+    state = read_state_dict(parent_dir, torch.float32)
+    for key, value in delta.items():
+        if key.endswith(".lora_A"):
+            base = key[: -len(".lora_A")] + ".weight"
+            state[base] = state[base] + delta[key[:-1] + "B"] @ value
+        elif not key.endswith(".lora_B"):
+            state[key] = value
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(qknorm_config(parent_dir), indent=2))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "chat_template.jinja"):
+        if (parent_dir / name).exists():
+            shutil.copy(parent_dir / name, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir

@@ -1,0 +1,209 @@
+"""OpenAI-compatible HTTP gateway (FastAPI): completions, chat completions, SSE streaming.
+
+Requests are tokenized here and validated twice: by the pydantic bodies (types, ranges) and
+by the engine (`RequestError`: empty prompt, context overflow). Both become a 4xx with an
+OpenAI-style error body. A client that disconnects mid-stream has its request aborted, which
+frees its KV blocks.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+
+from kernels.sampling import SamplingError, SamplingParams
+from services.engine import GenerationParams, RequestError
+from services.gateway.backend import EngineBackend
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                       _Common)
+
+
+class Gateway:
+    def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = GatewayMetrics()
+
+    # ---- request -> engine ----------------------------------------------------------
+    def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
+        if req.model != self.model_name:
+            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", code="model_not_found")
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - prompt_len)
+        if max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
+                           "max_tokens")
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k,
+                                      top_p=req.top_p, seed=req.seed)
+            return GenerationParams(max_tokens=max_tokens, sampling=sampling,
+                                    ignore_eos=req.ignore_eos)
+        except (SamplingError, RequestError) as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def completion_ids(self, req: CompletionRequest) -> list[int]:
+        if isinstance(req.prompt, list):
+            return list(req.prompt)
+        return self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ---- generation -----------------------------------------------------------------
+    async def generate(self, ids: list[int], params: GenerationParams, stops: list[str],
+                       arrival: float):
+        """Yields (delta_text, finish_reason | None); aborts the request when closed early."""
+        try:
+            seq_id, out = await self.backend.submit(ids, params)
+        except RequestError as exc:
+            raise APIError(400, str(exc), exc.field) from exc
+        self.metrics.prompt_tokens.inc(len(ids))
+        tokens: list[int] = []
+        sent, last, finished = "", None, False
+        try:
+            while True:
+                step = await out.get()
+                now = time.perf_counter()
+                if step.error:
+                    self.metrics.requests.labels("error").inc()
+                    raise APIError(500, f"generation failed: {step.error}", type_="server_error")
+                if step.token is not None:
+                    (self.metrics.ttft if last is None else self.metrics.itl).observe(
+                        now - (arrival if last is None else last))
+                    last = now
+                    tokens.append(step.token)
+                    self.metrics.generation_tokens.inc()
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                reason = step.finish_reason if step.finished else None
+                hit = [text.find(s) for s in stops if s and s in text]
+                if hit:
+                    text, reason = text[:min(hit)], "stop"
+                if text.endswith("\ufffd") and reason is None:
+                    continue                          # wait for the rest of a multibyte char
+                if len(text) > len(sent) or reason:
+                    yield text[len(sent):], reason
+                    sent = text
+                if reason:
+                    finished = step.finished
+                    self.metrics.e2e.observe(now - arrival)
+                    self.metrics.requests.labels(reason).inc()
+                    return
+        finally:
+            if not finished:
+                self.backend.abort(seq_id)
+                self.metrics.requests.labels("abort").inc()
+            self.metrics.kv_usage.set(self.backend.engine.blocks.usage)
+            self.metrics.running.set(len(self.backend.streams))
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="splitstack")
+    app.state.gateway = gateway
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return JSONResponse(APIError(400, "request body is not valid JSON").body(), 400)
+        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        msg = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
+        return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        alive = gateway.backend.thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine thread stopped"},
+                            status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        gateway.metrics.kv_usage.set(gateway.backend.engine.blocks.usage)
+        return Response(generate_latest(gateway.metrics.registry),
+                        media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model",
+                                            "created": 0, "owned_by": "splitstack",
+                                            "max_model_len": gateway.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        ids = gateway.completion_ids(req)
+        params = gateway.params(req, len(ids), req.max_tokens)
+        return await respond(gateway, req, ids, params, arrival, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        arrival = time.perf_counter()
+        ids = gateway.chat_ids(req)
+        params = gateway.params(req, len(ids), req.max_completion_tokens or req.max_tokens)
+        return await respond(gateway, req, ids, params, arrival, chat=True)
+
+    return app
+
+
+async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool):
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    stream = gateway.generate(ids, params, req.stop_list(), arrival)
+    if not req.stream:
+        text, reason, n = "", None, 0
+        async for delta, reason in stream:
+            text += delta
+        n = len(gateway.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+                   "finish_reason": reason} if chat else
+                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+        return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
+                "choices": [choice],
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
+                          "total_tokens": len(ids) + n}}
+    # validate before the 200 goes out: the first item raises APIError for a refused request
+    first = await stream.__anext__()
+
+    async def events():
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        if chat:
+            yield _sse({"id": rid, "object": chunk_obj, "created": created,
+                        "model": gateway.model_name, "choices": [
+                            {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+        item = first
+        try:
+            while item is not None:
+                delta, reason = item
+                choice = ({"index": 0, "delta": {"content": delta} if delta else {},
+                           "finish_reason": reason} if chat else
+                          {"index": 0, "text": delta, "finish_reason": reason,
+                           "logprobs": None})
+                yield _sse({"id": rid, "object": chunk_obj, "created": created,
+                            "model": gateway.model_name, "choices": [choice]})
+                item = await anext(stream, None)
+            yield "data: [DONE]\n\n"
+        finally:              # the client went away (or we finished): abort frees the KV
+            await stream.aclose()
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"

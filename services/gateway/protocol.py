@@ -1,0 +1,66 @@
+"""OpenAI-compatible request bodies and the OpenAI-style error body."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """Turned into an OpenAI-style error body with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    logprobs: bool | int | None = None
+    ignore_eos: bool = False
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content
+                           if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None

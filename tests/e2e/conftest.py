@@ -1,0 +1,38 @@
+"""A real uvicorn server on a free loopback port, serving SmolLM2 through the gateway."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from services.gateway.server import build_embedded
+
+ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = build_embedded(ZOO, served_name="smollm2-135m")
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield base, app.state.gateway
+    srv.should_exit = True
+    thread.join(timeout=10)
+    app.state.gateway.backend.shutdown()

@@ -1,0 +1,126 @@
+"""The OpenAI-compatible gateway over real HTTP, driven by the official `openai` client."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(base):
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(gateway, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        eng = gateway.backend.engine
+        if not eng.has_unfinished() and not gateway.backend.streams:
+            return eng
+        time.sleep(0.05)
+    raise AssertionError("engine still busy")
+
+
+def test_models_and_health(server):
+    base, _ = server
+    assert [m.id for m in client(base).models.list().data] == [MODEL]
+    assert httpx.get(base + "/health").json()["status"] == "ok"
+
+
+def test_chat_completion_answers(server):
+    base, gateway = server
+    resp = client(base).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24,
+                                                temperature=0)
+    assert "Paris" in resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 10 and resp.usage.completion_tokens > 0
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_streaming_equals_non_streaming(server):
+    base, _ = server
+    c = client(base)
+    full = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
+                                     temperature=0).choices[0].message.content
+    chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20,
+                                            temperature=0, stream=True))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full and chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_completion_with_token_ids_stop_and_seed(server):
+    base, _ = server
+    c = client(base)
+    resp = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                                temperature=0)
+    text = resp.choices[0].text
+    assert resp.choices[0].finish_reason in ("length", "stop") and text
+    word = text.split()[0]
+    cut = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=12,
+                               temperature=0, stop=[word])
+    assert cut.choices[0].finish_reason == "stop" and word not in cut.choices[0].text
+    a, b = (c.completions.create(model=MODEL, prompt=[504, 3575, 282], max_tokens=8,
+                                 temperature=1.0, top_p=0.9, seed=5).choices[0].text
+            for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "gpt-4", "prompt": "hi", "max_tokens": 4}, 404, "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "", "max_tokens": 4}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "four"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    base, gateway = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    resp = httpx.post(base + path, json=body, timeout=30)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_malformed_json_then_still_serving(server):
+    base, _ = server
+    resp = httpx.post(base + "/v1/completions", content=b"{not json",
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    ok = client(base).completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+    assert ok.choices[0].text is not None
+
+
+def test_client_disconnect_aborts_and_frees_kv(server):
+    base, gateway = server
+    aborted = gateway.metrics.requests.labels("abort")._value.get()
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert gateway.backend.engine.has_unfinished()
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert gateway.metrics.requests.labels("abort")._value.get() == aborted + 1
+
+
+def test_metrics_exported(server):
+    base, _ = server
+    client(base).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    text = httpx.get(base + "/metrics").text
+    for name in ("splitstack_time_to_first_token_seconds_bucket",
+                 "splitstack_e2e_request_latency_seconds_count",
+                 "splitstack_kv_cache_usage_ratio", "splitstack_generation_tokens_total"):
+        assert name in text
