@@ -41,10 +41,9 @@ test: setup
 bench: setup
 	$(PY) bench/engine_vs_hf.py
 
-## run: chat with the embedded default model
+## run: serve the embedded default model on http://127.0.0.1:8000/v1 (OpenAI API)
 run: setup
-	$(PY) -m services.cli generate --model $(ZOO)/smollm2-135m --chat \
-		--prompt "$${PROMPT:-What is the capital of France?}" --max-tokens 64
+	$(PY) -m services.cli serve --model $(ZOO)/smollm2-135m --host 127.0.0.1 --port $${PORT:-8000}
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
