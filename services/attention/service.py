@@ -1,0 +1,184 @@
+"""The attention service: owns requests, holds the cache side's weights, drives decode.
+
+Per step, for a batch of rows (prefill rows of new requests, or one decode row per running
+request), with standard wiring (DESIGN.md, "Q-First decode protocol"):
+
+    z, k, v = pool.stage(0, token ids)
+    for each layer l:
+        full attention:  q = Wq N1(z)
+                         prefill: append k, v; (O, lse) = merge over shards of the causal
+                                  sweep including the row itself
+                         decode:  (O, lse) = merge over shards of the sweep of positions < j,
+                                  then combine with the row's own k, v; append k, v
+        linear attention: conv + delta rule from the request's state slot, gated norm, Wo
+        u = z + Wo(out)
+        z, k, v = pool.stage(l + 1, u)          (the last stage samples instead)
+
+Holds: Wq, Wo, the attention norms and output gate, the GDN conv / gates / norm / out_proj
+and every request's GDN states (in-process it shares the model object with the pool).
+A request that fails frees its blocks on every shard and its state slot; others continue.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.merge import combine_current, merge_many
+from models.config import FULL_ATTENTION
+from models.gdn import GDNInputs
+from models.model import CausalLM
+from services.attention.shard import KVShard
+from services.common.transport import Transport
+from services.engine.block_manager import SlotPool
+from services.engine.sequence import GenerationParams, RequestError
+
+
+@dataclass
+class Request:
+    seq_id: int
+    prompt_ids: list[int]
+    params: GenerationParams
+    output_ids: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    num_cached: int = 0
+    state_slot: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+class AttentionService:
+    def __init__(self, model: CausalLM, shards: list[KVShard], pool: Transport,
+                 wiring: str = "standard", max_num_seqs: int = 16,
+                 eos_token_ids: tuple[int, ...] = ()):
+        if wiring not in ("standard", "qfirst"):
+            raise ValueError(f"unknown wiring {wiring!r}")
+        if wiring != model.config.wiring:
+            raise ValueError(f"this checkpoint was trained for {model.config.wiring!r} "
+                             f"wiring, not {wiring!r}")
+        self.model, self.shards, self.pool, self.wiring = model, shards, pool, wiring
+        self.cfg = model.config
+        self.eos = tuple(eos_token_ids)
+        self.slots = SlotPool(max_num_seqs) if self.cfg.is_hybrid else None
+        gdn = self.cfg.linear_attention_layers
+        self.gdn_index = {l: i for i, l in enumerate(gdn)}
+        if gdn:
+            self.conv = torch.zeros(len(gdn), max_num_seqs, self.cfg.gdn_conv_dim,
+                                    self.cfg.linear_conv_kernel_dim - 1, dtype=model.dtype)
+            self.rec = torch.zeros(len(gdn), max_num_seqs, self.cfg.linear_num_value_heads,
+                                   self.cfg.linear_key_head_dim, self.cfg.linear_value_head_dim)
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- request lifecycle -----------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> int:
+        if not prompt_ids:
+            raise RequestError("prompt", prompt_ids, "must contain at least one token")
+        if len(prompt_ids) + params.max_tokens > self.cfg.max_position_embeddings:
+            raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")
+        req = Request(next(self._ids), list(prompt_ids), params)
+        if params.sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.sampling.seed)
+        if self.slots is not None:
+            req.state_slot = self.slots.allocate()
+            self.conv[:, req.state_slot].zero_()
+            self.rec[:, req.state_slot].zero_()
+        self.requests[req.seq_id] = req
+        return req.seq_id
+
+    def release(self, req: Request, reason: str, error: str | None = None) -> None:
+        for shard in self.shards:
+            shard.free(req.seq_id)
+        if req.state_slot is not None:
+            self.slots.free(req.state_slot)
+            req.state_slot = None
+        req.finish_reason, req.error = reason, error
+
+    def running(self) -> list[Request]:
+        return [r for r in self.requests.values() if r.finish_reason is None]
+
+    # ---- one step over rows ------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        new = [r for r in self.running() if r.num_cached == 0]
+        batch = new if new else self.running()
+        if not batch:
+            return
+        decode = not new
+        seq_ids, positions, ids = [], [], []
+        for r in batch:
+            span = range(r.num_cached, len(r.tokens))
+            seq_ids += [r.seq_id] * len(span)
+            positions += list(span)
+            ids += r.tokens[r.num_cached:]
+        pos = torch.tensor(positions)
+        for r in batch:
+            for shard in self.shards:
+                shard.reserve(r.seq_id, len(r.tokens))
+        out = self.pool.call("stage", 0, torch.tensor(ids), pos)
+        u = None
+        for l in range(self.cfg.num_hidden_layers):
+            if self.model.layer(l).kind == FULL_ATTENTION:
+                u = self._full_attention(l, out, seq_ids, pos, decode)
+            else:
+                u = self._gated_deltanet(l, out, batch, decode)
+            if l + 1 < self.cfg.num_hidden_layers:
+                out = self.pool.call("stage", l + 1, u, pos)
+        last = torch.tensor([i for i, s in enumerate(seq_ids)
+                             if i + 1 == len(seq_ids) or seq_ids[i + 1] != s])
+        tokens, _, logits = self.pool.call("final", u[last],
+                                           [r.params.sampling for r in batch],
+                                           [r.generator for r in batch])
+        for i, r in enumerate(batch):
+            r.num_cached = len(r.tokens)
+            tok = int(tokens[i])
+            r.output_ids.append(tok)
+            if r.params.return_logits:
+                r.logits.append(logits[i].clone())
+            if (tok in r.params.stop_token_ids
+                    or (not r.params.ignore_eos and tok in self.eos)):
+                self.release(r, "stop")
+            elif len(r.output_ids) >= r.params.max_tokens:
+                self.release(r, "length")
+
+    def _full_attention(self, l, out, seq_ids, pos, decode):
+        m = self.model
+        q, gate = m.attn_query(l, m.norm_in(l, out.z), pos)
+        if decode:   # sweep what is cached (< j), then fold in the row's own k, v
+            parts = [s.sweep(l, seq_ids, q, pos) for s in self.shards]
+            o, lse = combine_current(*merge_many(parts), q, out.k, out.v)
+            for s in self.shards:
+                s.append(l, seq_ids, pos, out.k, out.v)
+        else:        # prompt rows: cache them first, then one causal sweep including self
+            for s in self.shards:
+                s.append(l, seq_ids, pos, out.k, out.v)
+            o, _ = merge_many([s.sweep(l, seq_ids, q, pos + 1) for s in self.shards])
+        return m.attn_output(l, out.z, o, gate)
+
+    def _gated_deltanet(self, l, out, batch, decode):
+        gi = self.gdn_index[l]
+        o = torch.empty_like(out.gdn.z)
+        row = 0
+        for r in batch:
+            n = 1 if decode else len(r.tokens)
+            sl = r.state_slot
+            inp = GDNInputs(*(t[row:row + n][None] for t in out.gdn))
+            o_r, c, s = self.model.gdn_mix(l, inp, self.conv[gi, sl:sl + 1],
+                                           self.rec[gi, sl:sl + 1])
+            self.conv[gi, sl], self.rec[gi, sl] = c[0], s[0]
+            o[row:row + n] = o_r[0]
+            row += n
+        return self.model.gdn_output(l, out.z, o, out.gdn.z)
+
+    # ---- convenience -------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[Request]:
+        ids = [self.add_request(p, params) for p in prompts]
+        while self.running():
+            self.step()
+        return [self.requests.pop(i) for i in ids]

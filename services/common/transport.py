@@ -1,0 +1,60 @@
+"""Data-plane transports between the cache side and the MLP pool.
+
+`Transport.call(replica, method, *args)` runs one stage call on a pool replica and returns its
+result. Implementations are chosen by name through a small registry; `local` calls the
+replica object in-process (zero copy). A replica that raises is retried on the next one:
+the pool holds no state, so a retry is always safe.
+"""
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+
+log = logging.getLogger(__name__)
+
+
+class PoolUnavailable(RuntimeError):
+    pass
+
+
+class Transport(ABC):
+    def __init__(self, replicas: list):
+        if not replicas:
+            raise ValueError("a transport needs at least one pool replica")
+        self.replicas = list(replicas)
+        self._next = 0
+        self.retries = 0
+
+    @abstractmethod
+    def _invoke(self, replica, method: str, *args):
+        """Run `method(*args)` on `replica` and return its result."""
+
+    def call(self, method: str, *args):
+        """Round-robin over replicas; on failure, retry each other replica once."""
+        n = len(self.replicas)
+        errors = []
+        for attempt in range(n):
+            replica = self.replicas[(self._next + attempt) % n]
+            try:
+                result = self._invoke(replica, method, *args)
+                self._next = (self._next + attempt + 1) % n
+                return result
+            except Exception as exc:  # a dead or failing replica: try the next one
+                self.retries += 1
+                errors.append(f"{getattr(replica, 'name', replica)}: {exc}")
+                log.warning("pool call %s failed on %s, retrying", method, replica)
+        raise PoolUnavailable("every MLP pool replica failed: " + "; ".join(errors))
+
+
+class LocalTransport(Transport):
+    def _invoke(self, replica, method, *args):
+        return getattr(replica, method)(*args)
+
+
+TRANSPORTS = {"local": LocalTransport}
+
+
+def make_transport(name: str, replicas: list) -> Transport:
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown transport {name!r}; available: {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name](replicas)
