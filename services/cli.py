@@ -92,6 +92,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
     if args.what == "qknorm":
         recipe = derive.derive_qknorm(args.parent, args.out, steps=args.steps,
                                       seq_len=args.seq_len, rank=args.rank, seed=args.seed,
+                                      needle_frac=args.needle_frac,
                                       log=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps(recipe, indent=2))
     else:
@@ -166,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--seq-len", type=int, default=384)
     der.add_argument("--rank", type=int, default=16)
     der.add_argument("--seed", type=int, default=0)
+    der.add_argument("--needle-frac", type=float, default=0.0,
+                     help="share of distillation batches that are retrieval items")
     der.add_argument("--threads", type=int, default=2)
     der.set_defaults(func=cmd_derive)
 

@@ -111,10 +111,33 @@ def calibrate_norms(parent: CausalLM, batches: list[torch.Tensor]) -> dict[str, 
             for (l, name), (num, den) in sums.items()}
 
 
+def needle_batch(tok, filler: list[int], seq_len: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """A retrieval item from calibration text with its answer appended, and a mask of the
+    answer positions (where the parent's copying behaviour must be kept)."""
+    from evals.tasks import make_item
+
+    task = rng.choice(["single", "multikey", "word"])
+    answer_len = 8
+    item = make_item(task, tok, filler, seq_len - answer_len, rng.random(), rng,
+                     rng.randrange(2))
+    answer = tok(" " + item.answers[0] + ".", add_special_tokens=False)["input_ids"]
+    ids = (item.prompt_ids + answer)[:seq_len]
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    mask[len(item.prompt_ids) - 1:len(item.prompt_ids) - 1 + len(answer)] = True
+    return torch.tensor([ids]), mask[:len(ids)]
+
+
 def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 120,
                   seq_len: int = 384, rank: int = 16, lr: float = 2e-3, seed: int = 0,
-                  log=print) -> dict:
-    """Calibrate + distil; writes the delta and the full checkpoint. Returns the recipe."""
+                  needle_frac: float = 0.0, log=print) -> dict:
+    """Calibrate + distil; writes the delta and the full checkpoint. Returns the recipe.
+
+    With `needle_frac` > 0, that share of the batches are retrieval items built from the
+    calibration split with the answer appended; the KL on the answer tokens is added to
+    the mean KL, so the copying the parent does at long range is distilled too."""
+    import random
+
+    from evals.corpus import haystack_text
     from evals.corpus import documents
     from services.common.tokenizer import load_tokenizer
 
@@ -142,13 +165,20 @@ def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 1
         attn.k_proj = LoraLinear(attn.k_proj, rank, seed + 2 * l + 1)
         trainable += [attn.q_proj.A, attn.q_proj.B, attn.k_proj.A, attn.k_proj.B]
     opt = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
     losses = []
     for step in range(steps):
-        batch = windows[order[4 + step % (n_windows - 4)]][None]
+        answer_mask = None
+        if rng.random() < needle_frac:
+            batch, answer_mask = needle_batch(tok, filler, seq_len, rng)
+        else:
+            batch = windows[order[4 + step % (n_windows - 4)]][None]
         with torch.no_grad():
             teacher = torch.log_softmax(train_logits(parent, batch), -1)
         student = torch.log_softmax(train_logits(child, batch), -1)
-        loss = F.kl_div(student, teacher, log_target=True, reduction="batchmean") / seq_len
+        kl = (teacher.exp() * (teacher - student)).sum(-1)[0]              # [T]
+        loss = kl.mean() + (kl[answer_mask].mean() if answer_mask is not None else 0.0)
         opt.zero_grad()
         loss.backward()
         for group in opt.param_groups:
@@ -169,6 +199,7 @@ def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 1
             delta[f"{p}.{name}.lora_B"] = lora.B.detach().clone()
     recipe = {"name": "smollm2-qknorm", "parent": "smollm2-135m", "steps": steps,
               "seq_len": seq_len, "rank": rank, "lr": lr, "seed": seed,
+              "needle_frac": needle_frac,
               "data": "python-stdlib-docstrings (calib split)", "objective": "KL to parent",
               "kl_first": losses[0], "kl_last10": sum(losses[-10:]) / min(10, len(losses)),
               "seconds": round(time.perf_counter() - start)}
