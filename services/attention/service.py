@@ -163,10 +163,16 @@ class AttentionService:
 
     def _gated_deltanet(self, l, out, batch, decode):
         gi = self.gdn_index[l]
+        if decode:   # one row per request: a single batched recurrent step over their slots
+            sl = torch.tensor([r.state_slot for r in batch])
+            inp = GDNInputs(*(t[:, None] for t in out.gdn))
+            o, c, s = self.model.gdn_mix(l, inp, self.conv[gi, sl], self.rec[gi, sl])
+            self.conv[gi, sl], self.rec[gi, sl] = c, s
+            return self.model.gdn_output(l, out.z, o[:, 0], out.gdn.z)
         o = torch.empty_like(out.gdn.z)
         row = 0
         for r in batch:
-            n = 1 if decode else len(r.tokens)
+            n = len(r.tokens)
             sl = r.state_slot
             inp = GDNInputs(*(t[row:row + n][None] for t in out.gdn))
             o_r, c, s = self.model.gdn_mix(l, inp, self.conv[gi, sl:sl + 1],
