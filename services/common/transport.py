@@ -55,6 +55,8 @@ TRANSPORTS = {"local": LocalTransport}
 
 
 def make_transport(name: str, replicas: list) -> Transport:
+    if name == "grpc":
+        import services.common.grpc_transport  # noqa: F401  (registers itself; needs stubs)
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; available: {sorted(TRANSPORTS)}")
     return TRANSPORTS[name](replicas)
