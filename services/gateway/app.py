@@ -7,6 +7,7 @@ frees its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -149,27 +150,47 @@ def build_app(gateway: Gateway) -> FastAPI:
         arrival = time.perf_counter()
         ids = gateway.completion_ids(req)
         params = gateway.params(req, len(ids), req.max_tokens)
-        return await respond(gateway, req, ids, params, arrival, chat=False)
+        return await respond(gateway, req, ids, params, arrival, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         ids = gateway.chat_ids(req)
         params = gateway.params(req, len(ids), req.max_completion_tokens or req.max_tokens)
-        return await respond(gateway, req, ids, params, arrival, chat=True)
+        return await respond(gateway, req, ids, params, arrival, chat=True, request=request)
 
     return app
 
 
-async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool):
+async def collect(stream) -> tuple[str, str | None]:
+    text, reason = "", None
+    async for delta, reason in stream:
+        text += delta
+    return text, reason
+
+
+async def until_disconnected(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, request: Request):
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     stream = gateway.generate(ids, params, req.stop_list(), arrival)
     if not req.stream:
-        text, reason, n = "", None, 0
-        async for delta, reason in stream:
-            text += delta
+        # a client that hangs up before the answer is ready gets its request aborted too
+        work = asyncio.ensure_future(collect(stream))
+        watch = asyncio.ensure_future(until_disconnected(request))
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            await stream.aclose()
+            return Response(status_code=499)
+        text, reason = work.result()
         n = len(gateway.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": reason} if chat else

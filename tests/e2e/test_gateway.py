@@ -124,3 +124,15 @@ def test_metrics_exported(server):
                  "splitstack_e2e_request_latency_seconds_count",
                  "splitstack_kv_cache_usage_ratio", "splitstack_generation_tokens_total"):
         assert name in text
+
+
+def test_non_streaming_disconnect_aborts_and_frees_kv(server):
+    base, gateway = server
+    aborted = gateway.metrics.requests.labels("abort")._value.get()
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=1.5)   # the client gives up
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert gateway.metrics.requests.labels("abort")._value.get() == aborted + 1
