@@ -107,7 +107,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     app = build_embedded(args.model, served_name=args.served_model_name,
-                         dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs)
+                         dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs,
+                         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(embedded exact engine)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     srv.add_argument("--max-num-seqs", type=int, default=16)
+    srv.add_argument("--kv-cache-gib", type=float, default=1.0,
+                     help="memory for the paged KV cache; caps the context length")
     srv.add_argument("--threads", type=int, default=2)
     srv.add_argument("--log-level", default="info")
     srv.set_defaults(func=cmd_serve)

@@ -26,3 +26,15 @@ def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
             if value is not None:
                 return tuple(value) if isinstance(value, list) else (int(value),)
     return ()
+
+
+def default_temperature(model_dir: str | Path) -> float:
+    """Sampling temperature a request without one gets, as the checkpoint's
+    generation_config.json says (do_sample false -> greedy); 1.0 without one (OpenAI)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return 1.0
+    cfg = json.loads(path.read_text())
+    if cfg.get("do_sample") is False:
+        return 0.0
+    return float(cfg.get("temperature", 1.0))

@@ -64,6 +64,8 @@ class LLMEngine:
             1, config.kv_cache_bytes // max(1, CacheStorage.bytes_per_block(
                 cfg, config.block_size, model.dtype)))
         num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // config.block_size))
+        # a request may never need more blocks than exist: cap the context to the cache
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.slots = SlotPool(config.max_num_seqs) if cfg.is_hybrid else None
         self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,

@@ -26,8 +26,10 @@ from services.gateway.protocol import (APIError, ChatCompletionRequest, Completi
 
 
 class Gateway:
-    def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int):
+    def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int,
+                 default_temperature: float = 1.0):
         self.backend = backend
+        self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -44,7 +46,9 @@ class Gateway:
             raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
                            "max_tokens")
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k,
+            temperature = (self.default_temperature if req.temperature is None
+                           else req.temperature)
+            sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
                                       top_p=req.top_p, seed=req.seed)
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos)

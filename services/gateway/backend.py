@@ -72,7 +72,12 @@ class EngineBackend:
         sub = self.streams.get(out.seq_id)
         if sub is None:
             return
-        sub.loop.call_soon_threadsafe(sub.out.put_nowait, out)
+        try:
+            sub.loop.call_soon_threadsafe(sub.out.put_nowait, out)
+        except RuntimeError:              # the caller's event loop is gone: nobody listens
+            if not out.finished:
+                self.engine.abort(out.seq_id)
+            out = StepOutput(out.seq_id, None, None, True, "abort")
         if out.finished:
             del self.streams[out.seq_id]
             self.engine.pop(out.seq_id)

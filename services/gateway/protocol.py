@@ -29,7 +29,7 @@ class _Common(BaseModel):
 
     model: str
     max_tokens: int | None = Field(default=None)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: model default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = None

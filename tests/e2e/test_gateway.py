@@ -136,3 +136,17 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(server):
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
     assert gateway.metrics.requests.labels("abort")._value.get() == aborted + 1
+
+
+def test_request_without_max_tokens_uses_the_remaining_context(server):
+    """The README's curl example: no max_tokens (up to the context) and no temperature
+    (the checkpoint's generation_config says greedy), so it answers and stops at EOS."""
+    base, gateway = server
+    resp = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": QUESTION})
+    assert resp.status_code == 200, resp.text
+    assert "Paris" in resp.json()["choices"][0]["message"]["content"]
+    models = httpx.get(base + "/v1/models").json()["data"][0]
+    eng = gateway.backend.engine
+    assert models["max_model_len"] == eng.max_model_len
+    assert eng.blocks.blocks_for(eng.max_model_len) <= eng.blocks.num_blocks

@@ -182,3 +182,12 @@ def test_stalled_prefills_make_progress(tiny_checkpoint):
     ref = [s.output_ids for s in LLMEngine(model).generate(prompts, p)]
     assert preempted == [2], "both prefills should have stalled once"
     assert got == ref and eng.blocks.num_free == 12
+
+
+def test_context_is_capped_to_what_the_cache_holds(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    eng = LLMEngine(load_model(path), EngineConfig(block_size=16, num_blocks=10))
+    assert eng.max_model_len == 160
+    with pytest.raises(RequestError, match="context length 160"):
+        eng.add_request([1] * 100, GenerationParams(max_tokens=61))
+    eng.add_request([1] * 100, GenerationParams(max_tokens=60))
