@@ -104,12 +104,24 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, xn.dtype)
         return self.layer(l).self_attn.key_value(xn, cos, sin, self.rotary)
 
-    def attn_inputs(self, l: int, x: torch.Tensor, positions: torch.Tensor) -> AttnInputs:
-        """x [*, h] residual stream, positions [*] -> q, k, v, gate."""
+    def query_source(self, l: int, x: torch.Tensor, u: torch.Tensor | None) -> torch.Tensor:
+        """What layer l's query reads. Standard wiring: the layer input x. Q-first wiring
+        (seed 003, §6): u, the input of the previous layer's feed-forward, so the cache side
+        can form q before the pool has run that feed-forward; layer 0 is exempt."""
+        if self.config.wiring == "qfirst" and l > 0 and u is not None:
+            return u
+        return x
+
+    def attn_inputs(self, l: int, x: torch.Tensor, positions: torch.Tensor,
+                    u: torch.Tensor | None = None) -> AttnInputs:
+        """x [*, h] residual stream (u: the previous feed-forward's input, read by the query
+        under q-first wiring), positions [*] -> q, k, v, gate."""
         xn = self.norm_in(l, x)
         cos, sin = self.rotary.cos_sin(positions, xn.dtype)
         attn = self.layer(l).self_attn
-        q, gate = attn.query(xn, cos, sin, self.rotary)
+        src = self.query_source(l, x, u)
+        qn = xn if src is x else self.norm_in(l, src)
+        q, gate = attn.query(qn, cos, sin, self.rotary)
         k, v = attn.key_value(xn, cos, sin, self.rotary)
         return AttnInputs(q, k, v, gate)
 
@@ -147,10 +159,10 @@ class CausalLM(nn.Module):
         backend = get_backend(attention_backend, self.device)
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        x = self.embed(input_ids)
+        x, h = self.embed(input_ids), None
         for l, layer in enumerate(self.model.layers):
             if layer.kind == FULL_ATTENTION:
-                a = self.attn_inputs(l, x, positions)
+                a = self.attn_inputs(l, x, positions, u=h)
                 o, _ = backend.attention_lse(a.q, a.k, a.v, causal=True)
                 h = self.attn_output(l, x, o, a.gate)
             else:

@@ -122,10 +122,10 @@ class AttentionService:
             for shard in self.shards:
                 shard.reserve(r.seq_id, len(r.tokens))
         out = self.pool.call("stage", 0, torch.tensor(ids), pos)
-        u = None
+        u = None                     # what produced `out`: the input of layer l−1's MLP
         for l in range(self.cfg.num_hidden_layers):
             if self.model.layer(l).kind == FULL_ATTENTION:
-                u = self._full_attention(l, out, seq_ids, pos, decode)
+                u = self._full_attention(l, out, seq_ids, pos, decode, u)
             else:
                 u = self._gated_deltanet(l, out, batch, decode)
             if l + 1 < self.cfg.num_hidden_layers:
@@ -147,9 +147,12 @@ class AttentionService:
             elif len(r.output_ids) >= r.params.max_tokens:
                 self.release(r, "length")
 
-    def _full_attention(self, l, out, seq_ids, pos, decode):
+    def _full_attention(self, l, out, seq_ids, pos, decode, u_prev):
         m = self.model
-        q, gate = m.attn_query(l, m.norm_in(l, out.z), pos)
+        # q-first wiring reads u_prev, available before the pool call that produced `out`
+        # (the overlap point); standard wiring reads the pool's z
+        src = m.query_source(l, out.z, u_prev)
+        q, gate = m.attn_query(l, m.norm_in(l, src), pos)
         if decode:   # sweep what is cached (< j), then fold in the row's own k, v
             parts = [s.sweep(l, seq_ids, q, pos) for s in self.shards]
             o, lse = combine_current(*merge_many(parts), q, out.k, out.v)

@@ -81,17 +81,18 @@ class ModelRunner:
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.cache.reset_slot(c.seq.state_slot)
-        x = self.model.embed(st.ids)
+        x, h = self.model.embed(st.ids), None
         for l, layer in enumerate(self.model.model.layers):
             if layer.kind == FULL_ATTENTION:
-                h = self._full_attention(l, x, st)
+                h = self._full_attention(l, x, st, h)
             else:
                 h = self._gated_deltanet(l, x, st)
             x = self.model.mlp(l, h)
         return self.model.final(x[st.sample_rows]).float()
 
-    def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors) -> torch.Tensor:
-        a = self.model.attn_inputs(l, x, st.positions)
+    def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors,
+                        u: torch.Tensor | None) -> torch.Tensor:
+        a = self.model.attn_inputs(l, x, st.positions, u=u)
         self.cache.write_kv(l, st.slots, a.k, a.v)
         k_cache, v_cache = self.cache.k(l), self.cache.v(l)
         o = torch.empty_like(a.q)
