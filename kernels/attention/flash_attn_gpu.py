@@ -21,6 +21,9 @@ def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=Non
         raise NotImplementedError("flash-attn takes lengths, not a boolean mask")
     fa = _fa()
     b, tq, h, d = q.shape
+    if q_start is not None and kv_lens is not None and not torch.equal(q_start, kv_lens - tq):
+        raise NotImplementedError("flash-attn aligns queries to the end of the keys; "
+                                  "q_start must equal kv_lens - Tq")
     if kv_lens is not None or q_start is not None:
         kv_lens = kv_lens if kv_lens is not None else torch.full(
             (b,), k.shape[1], dtype=torch.int32, device=q.device)
