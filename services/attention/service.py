@@ -121,15 +121,15 @@ class AttentionService:
         for r in batch:
             for shard in self.shards:
                 shard.reserve(r.seq_id, len(r.tokens))
-        out = self.pool.call("stage", 0, torch.tensor(ids), pos)
-        u = None                     # what produced `out`: the input of layer l−1's MLP
+        pending = self.pool.submit("stage", 0, torch.tensor(ids), pos)
+        u = None                     # what `pending` was computed from: layer l−1's MLP input
         for l in range(self.cfg.num_hidden_layers):
             if self.model.layer(l).kind == FULL_ATTENTION:
-                u = self._full_attention(l, out, seq_ids, pos, decode, u)
+                u = self._full_attention(l, pending, seq_ids, pos, decode, u)
             else:
-                u = self._gated_deltanet(l, out, batch, decode)
+                u = self._gated_deltanet(l, pending.result(), batch, decode)
             if l + 1 < self.cfg.num_hidden_layers:
-                out = self.pool.call("stage", l + 1, u, pos)
+                pending = self.pool.submit("stage", l + 1, u, pos)
         last = torch.tensor([i for i, s in enumerate(seq_ids)
                              if i + 1 == len(seq_ids) or seq_ids[i + 1] != s])
         tokens, _, logits = self.pool.call("final", u[last],
@@ -147,14 +147,21 @@ class AttentionService:
             elif len(r.output_ids) >= r.params.max_tokens:
                 self.release(r, "length")
 
-    def _full_attention(self, l, out, seq_ids, pos, decode, u_prev):
+    def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model
-        # q-first wiring reads u_prev, available before the pool call that produced `out`
-        # (the overlap point); standard wiring reads the pool's z
-        src = m.query_source(l, out.z, u_prev)
-        q, gate = m.attn_query(l, m.norm_in(l, src), pos)
-        if decode:   # sweep what is cached (< j), then fold in the row's own k, v
+        parts = None
+        if decode and self.wiring == "qfirst" and l > 0:
+            # q-first: q comes from u_prev, which the pool is still turning into z, k, v;
+            # the cache sweep runs now, overlapping the pool's feed-forward
+            q, gate = m.attn_query(l, m.norm_in(l, u_prev), pos)
             parts = [s.sweep(l, seq_ids, q, pos) for s in self.shards]
+            out = pending.result()
+        else:
+            out = pending.result()
+            q, gate = m.attn_query(l, m.norm_in(l, m.query_source(l, out.z, u_prev)), pos)
+        if decode:   # sweep what is cached (< j), then fold in the row's own k, v
+            if parts is None:
+                parts = [s.sweep(l, seq_ids, q, pos) for s in self.shards]
             o, lse = combine_current(*merge_many(parts), q, out.k, out.v)
             for s in self.shards:
                 s.append(l, seq_ids, pos, out.k, out.v)

@@ -12,7 +12,7 @@ from models.gdn import GDNInputs
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.tensor_codec import from_proto, to_proto
-from services.common.transport import TRANSPORTS, Transport
+from services.common.transport import TRANSPORTS, Pending, Transport
 from services.mlp_pool.pool import StageOutput
 
 _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
@@ -32,14 +32,20 @@ class PoolStream:
         self.requests: queue.Queue = queue.Queue()
         self.responses = self.stub.Calls(iter(self.requests.get, None))
 
-    def roundtrip(self, req: pb.PoolRequest, timeout: float = 120.0) -> pb.PoolReply:
+    def send(self, req: pb.PoolRequest) -> None:
+        self.requests.put(req)
+
+    def receive(self) -> pb.PoolReply:
         try:
-            self.requests.put(req)
             return next(self.responses)
         except grpc.RpcError:
             self.requests.put(None)
             self._open()                    # the next call reconnects
             raise
+
+    def roundtrip(self, req: pb.PoolRequest) -> pb.PoolReply:
+        self.send(req)
+        return self.receive()
 
     def close(self):
         self.requests.put(None)
@@ -53,22 +59,22 @@ class GrpcTransport(Transport):
         super().__init__([PoolStream(r) if isinstance(r, str) else r for r in replicas])
         self._ids = itertools.count()
 
-    def _invoke(self, replica: PoolStream, method: str, *args):
+    def _encode(self, method: str, args) -> pb.PoolRequest:
         rid = next(self._ids)
         if method == "stage":
             layer, u, positions = args
-            req = pb.PoolRequest(id=rid, stage=pb.StageCall(layer=layer, u=to_proto(u),
-                                                            positions=to_proto(positions)))
-        elif method == "final":
+            return pb.PoolRequest(id=rid, stage=pb.StageCall(layer=layer, u=to_proto(u),
+                                                             positions=to_proto(positions)))
+        if method == "final":
             u, params, generators = args
-            req = pb.PoolRequest(id=rid, final=pb.FinalCall(u=to_proto(u), params=[
+            return pb.PoolRequest(id=rid, final=pb.FinalCall(u=to_proto(u), params=[
                 pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                   generator_state=(g.get_state().numpy().tobytes()
                                                    if g is not None else b""))
                 for p, g in zip(params, generators)]))
-        else:
-            raise ValueError(f"unknown pool method {method!r}")
-        reply = replica.roundtrip(req)
+        raise ValueError(f"unknown pool method {method!r}")
+
+    def _decode(self, replica: PoolStream, reply: pb.PoolReply, args):
         if reply.error:
             raise RuntimeError(f"{replica.name}: {reply.error}")
         tensors = [from_proto(t) for t in reply.tensors]
@@ -76,10 +82,31 @@ class GrpcTransport(Transport):
             return StageOutput(tensors[0], tensors[1], tensors[2])
         if reply.kind == "gdn":
             return StageOutput(tensors[0], gdn=GDNInputs(*tensors[1:]))
-        for g, state in zip(generators, reply.generator_states):
+        for g, state in zip(args[2], reply.generator_states):
             if g is not None:                # advance the request's own generator
                 g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         return tuple(tensors)
+
+    def _invoke(self, replica: PoolStream, method: str, *args):
+        return self._decode(replica, replica.roundtrip(self._encode(method, args)), args)
+
+    def submit(self, method: str, *args) -> Pending:
+        """Send now, receive on `result()`; a failure there falls back to `call`, which
+        retries on the other replicas."""
+        replica = self.replicas[self._next]
+        self._next = (self._next + 1) % len(self.replicas)
+        try:
+            replica.send(self._encode(method, args))
+        except Exception:
+            return Pending(lambda: self.call(method, *args))
+
+        def fetch():
+            try:
+                return self._decode(replica, replica.receive(), args)
+            except Exception:
+                self.retries += 1
+                return self.call(method, *args)
+        return Pending(fetch)
 
 
 TRANSPORTS["grpc"] = GrpcTransport

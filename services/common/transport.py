@@ -46,6 +46,27 @@ class Transport(ABC):
         raise PoolUnavailable("every MLP pool replica failed: " + "; ".join(errors))
 
 
+class Pending:
+    """A started pool call; `result()` waits for it."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def result(self):
+        return self._fetch()
+
+
+def _submit_now(self: Transport, method: str, *args) -> Pending:
+    result = self.call(method, *args)
+    return Pending(lambda: result)
+
+
+Transport.submit = _submit_now
+Transport.submit.__doc__ = """Start `method(*args)` and return a `Pending`. The base class
+runs the call at once (no overlap); a transport with an asynchronous channel overrides it so
+the cache side can sweep while the pool computes (q-first wiring)."""
+
+
 class LocalTransport(Transport):
     def _invoke(self, replica, method, *args):
         return getattr(replica, method)(*args)

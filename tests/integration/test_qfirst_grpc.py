@@ -81,3 +81,21 @@ def test_seeded_sampling_over_grpc_matches_local(tiny_checkpoint, pool_servers):
     want = [r.output_ids for r in local.generate(prompts(), params)]
     service, _ = service_over_grpc(model, pool_servers(model, 1), num_shards=1)
     assert [r.output_ids for r in service.generate(prompts(), params)] == want
+
+
+def test_qfirst_wiring_over_grpc_overlaps_and_matches(tiny_checkpoint, pool_servers, tmp_path):
+    """Q-first over gRPC: the stage call is sent before the sweep and read after it; the
+    tokens and logits still equal the exact engine on the q-first checkpoint."""
+    from tests.unit.test_qfirst_wiring import qfirst_copy
+
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(qfirst_copy(path, tmp_path / "qfirst"))
+    ref = LLMEngine(model).generate(prompts(), PARAMS)
+    servers = pool_servers(model, 1)
+    shards = [KVShard(model.config, i, 2, 64, 4, model.dtype) for i in range(2)]
+    service = AttentionService(model, shards, make_transport("grpc", [servers[0][1]]),
+                               wiring="qfirst")
+    got = service.generate(prompts(), PARAMS)
+    for r, s in zip(got, ref):
+        assert r.output_ids == s.output_ids
+        assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
