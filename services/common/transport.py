@@ -17,6 +17,16 @@ class PoolUnavailable(RuntimeError):
     pass
 
 
+class Pending:
+    """A started pool call; `result()` waits for it."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def result(self):
+        return self._fetch()
+
+
 class Transport(ABC):
     def __init__(self, replicas: list):
         if not replicas:
@@ -45,26 +55,12 @@ class Transport(ABC):
                 log.warning("pool call %s failed on %s, retrying", method, replica)
         raise PoolUnavailable("every MLP pool replica failed: " + "; ".join(errors))
 
-
-class Pending:
-    """A started pool call; `result()` waits for it."""
-
-    def __init__(self, fetch):
-        self._fetch = fetch
-
-    def result(self):
-        return self._fetch()
-
-
-def _submit_now(self: Transport, method: str, *args) -> Pending:
-    result = self.call(method, *args)
-    return Pending(lambda: result)
-
-
-Transport.submit = _submit_now
-Transport.submit.__doc__ = """Start `method(*args)` and return a `Pending`. The base class
-runs the call at once (no overlap); a transport with an asynchronous channel overrides it so
-the cache side can sweep while the pool computes (q-first wiring)."""
+    def submit(self, method: str, *args) -> Pending:
+        """Start `method(*args)` and return a `Pending`. Here the call runs at once (no
+        overlap); a transport with an asynchronous channel overrides this so the cache side
+        can sweep while the pool computes (q-first wiring)."""
+        result = self.call(method, *args)
+        return Pending(lambda: result)
 
 
 class LocalTransport(Transport):

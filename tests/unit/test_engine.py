@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
 from tests.conftest import FAMILIES
@@ -153,8 +154,7 @@ def test_seeded_sampling_is_batch_independent(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     model = load_model(path)
     p = GenerationParams(max_tokens=8, ignore_eos=True,
-                         sampling=__import__("kernels.sampling", fromlist=["x"]).SamplingParams(
-                             temperature=1.0, top_p=0.9, seed=11))
+                         sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=11))
     alone = LLMEngine(model).generate([[1, 2, 3]], p)[0].output_ids
     batched = LLMEngine(model).generate([[7, 8], [1, 2, 3], [4] * 9], p)[1].output_ids
     assert alone == batched
