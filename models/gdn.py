@@ -81,13 +81,17 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(bsz, t, self.hk, self.dk)
         v = v.reshape(bsz, t, self.hv, self.dv)
         beta = torch.sigmoid(inp.b)                                       # model dtype, as HF
-        g = -self.A_log.float().exp() * F.softplus(inp.a.float() + self.dt_bias)
+        g = self.log_decay(inp.a)
         r = self.hv // self.hk
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
         rule = chunk_gated_delta_rule if chunked and t > 1 else recurrent_gated_delta_rule
         o, recurrent_state = rule(q, k, v, g, beta, recurrent_state)
         return o.to(inp.mixed.dtype), conv_state, recurrent_state
+
+    def log_decay(self, a: torch.Tensor) -> torch.Tensor:
+        """a [*, HV] decay logits -> g [*, HV] fp32, the log of each row's state decay."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """o, z [*, HV, Dv] -> [*, h] (before the residual add)."""

@@ -1,0 +1,315 @@
+"""RidgeFill maps: streamed statistics, the closed-form ridge solve, storage, loading.
+
+For a split S and every upper layer l > S, with X the split-layer states x_S and Y_l the
+inputs x_l of layer l (rows = tokens, centred by their means):
+
+    A_l = Y_lᵀX (XᵀX + αI)⁻¹,   b_l = μ_l − A_l μ_S,   α = λ·tr(XᵀX)/d_in
+
+(layer S itself reads x_S exactly and needs no map). Only the float64 sums
+Σx, Σxxᵀ, Σy_l, Σx y_lᵀ, Σ‖y_l‖² and the row count are kept, so any amount of text streams
+through in constant memory and a new λ re-solves from the saved sums without re-reading.
+
+On disk (MAPS_DIR):
+    stats-S{S}.safetensors   fit and held-out sums (float64), for re-solving
+    maps-S{S}.safetensors    A.{l} (bf16, or int8 with per-row A_scale.{l}), b.{l} (fp32),
+                             optional delta_state.{l} (terminal-state offsets, hybrids)
+    unigram.safetensors      calibration token counts (the `protected` selector)
+Every file carries metadata: the model fingerprint, split, λ, calibration tokens, max length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from models.model import CausalLM
+
+LAMBDA_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+MAP_DTYPES = ("bf16", "int8")
+
+
+class MapsError(ValueError):
+    """Maps that cannot serve this model or split."""
+
+
+def model_fingerprint(model: CausalLM) -> str:
+    """A stable id of the weights: config plus a strided sample of every parameter."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True,
+                                  default=str).encode())
+    for name, p in sorted(model.named_parameters()):
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 257)
+        h.update(name.encode() + str(tuple(p.shape)).encode())
+        h.update(flat[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:24]
+
+
+# ---- statistics -------------------------------------------------------------------------
+@dataclass
+class Moments:
+    """Σx, Σxxᵀ and per target layer Σy, Σxyᵀ, Σ‖y‖² over n rows (float64)."""
+    d: int
+    layers: tuple[int, ...]
+    n: int = 0
+    sx: torch.Tensor = None
+    sxx: torch.Tensor = None
+    sy: dict[int, torch.Tensor] = field(default_factory=dict)
+    sxy: dict[int, torch.Tensor] = field(default_factory=dict)
+    syy: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.sx is None:
+            self.sx = torch.zeros(self.d, dtype=torch.float64)
+            self.sxx = torch.zeros(self.d, self.d, dtype=torch.float64)
+            for l in self.layers:
+                self.sy[l] = torch.zeros(self.d, dtype=torch.float64)
+                self.sxy[l] = torch.zeros(self.d, self.d, dtype=torch.float64)
+                self.syy[l] = 0.0
+
+    def add(self, x: torch.Tensor, ys: dict[int, torch.Tensor]) -> None:
+        """x [n, d] split states, ys {l: [n, d]} the same rows' inputs of layer l."""
+        x = x.double()
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sxx += x.T @ x
+        for l in self.layers:
+            y = ys[l].double()
+            self.sy[l] += y.sum(0)
+            self.sxy[l] += x.T @ y
+            self.syy[l] += float((y * y).sum())
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        out = {f"{prefix}.sx": self.sx, f"{prefix}.sxx": self.sxx,
+               f"{prefix}.n": torch.tensor([self.n], dtype=torch.float64)}
+        for l in self.layers:
+            out[f"{prefix}.sy.{l}"] = self.sy[l]
+            out[f"{prefix}.sxy.{l}"] = self.sxy[l]
+            out[f"{prefix}.syy.{l}"] = torch.tensor([self.syy[l]], dtype=torch.float64)
+        return out
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, d: int,
+                     layers: tuple[int, ...]) -> "Moments":
+        return cls(d, layers, int(t[f"{prefix}.n"][0]), t[f"{prefix}.sx"], t[f"{prefix}.sxx"],
+                   {l: t[f"{prefix}.sy.{l}"] for l in layers},
+                   {l: t[f"{prefix}.sxy.{l}"] for l in layers},
+                   {l: float(t[f"{prefix}.syy.{l}"][0]) for l in layers})
+
+
+def solve(m: Moments, lam: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The ridge maps {l: (A [d_out, d_in], b [d_out])} in float64."""
+    mu_x = m.sx / m.n
+    cxx = m.sxx - m.n * torch.outer(mu_x, mu_x)
+    alpha = lam * float(torch.trace(cxx)) / m.d
+    chol = torch.linalg.cholesky(cxx + alpha * torch.eye(m.d, dtype=torch.float64))
+    maps = {}
+    for l in m.layers:
+        mu_y = m.sy[l] / m.n
+        cxy = m.sxy[l] - m.n * torch.outer(mu_x, mu_y)                 # [d_in, d_out]
+        a = torch.cholesky_solve(cxy, chol).T                           # [d_out, d_in]
+        maps[l] = (a, mu_y - a @ mu_x)
+    return maps
+
+
+def heldout_error(maps, h: Moments) -> float:
+    """Mean over layers of Σ‖y − (Ax + b)‖² / Σ‖y − ȳ‖² on held-out rows (from sums only)."""
+    errs = []
+    for l, (a, b) in maps.items():
+        sq = (h.syy[l] - 2 * (float(torch.sum(a.T * h.sxy[l])) + float(b @ h.sy[l]))
+              + float(torch.sum((a @ h.sxx) * a)) + 2 * float(b @ (a @ h.sx)) + h.n * float(b @ b))
+        var = h.syy[l] - float(h.sy[l] @ h.sy[l]) / h.n
+        errs.append(sq / max(var, 1e-30))
+    return sum(errs) / len(errs) if errs else 0.0
+
+
+def pick_lambda(fit: Moments, held: Moments, grid=LAMBDA_GRID) -> tuple[float, dict[float, float]]:
+    scores = {lam: heldout_error(solve(fit, lam), held) for lam in grid}
+    return min(scores, key=scores.get), scores
+
+
+# ---- calibration pass -------------------------------------------------------------------
+@dataclass(frozen=True)
+class CalibConfig:
+    splits: tuple[int, ...]
+    max_len: int = 2048
+    heldout_docs: int = 5
+    map_dtype: str = "bf16"
+    lam: float | None = None        # None: pick from LAMBDA_GRID on the held-out documents
+
+
+def upper_layers(num_layers: int, split: int) -> tuple[int, ...]:
+    return tuple(range(split + 1, num_layers))
+
+
+def check_split(num_layers: int, split: int) -> None:
+    if not isinstance(split, int) or not 1 <= split <= num_layers - 1:
+        raise MapsError(f"split must be an integer in 1..{num_layers - 1} "
+                        f"(the model has {num_layers} layers), got {split!r}")
+
+
+def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path,
+              log=print) -> dict:
+    """Stream `token_docs` (an iterable of token-id lists) through the exact model once,
+    accumulating every split's sums; the first `heldout_docs` documents are held out for λ.
+    Writes stats, maps and unigram counts to `out_dir`; returns a summary."""
+    from services.prefill.capture import exact_pass
+
+    L, d = model.config.num_hidden_layers, model.config.hidden_size
+    for s in cfg.splits:
+        check_split(L, s)
+    if cfg.map_dtype not in MAP_DTYPES:
+        raise MapsError(f"map dtype must be one of {MAP_DTYPES}, got {cfg.map_dtype!r}")
+    fit = {s: Moments(d, upper_layers(L, s)) for s in cfg.splits}
+    held = {s: Moments(d, upper_layers(L, s)) for s in cfg.splits}
+    unigram = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    tokens, n_docs = 0, 0
+    for i, doc in enumerate(token_docs):
+        n_docs += 1
+        fitting = i >= cfg.heldout_docs
+        for start in range(0, len(doc), cfg.max_len):
+            ids = torch.tensor(doc[start:start + cfg.max_len], device=model.device)
+            if ids.numel() < 2:
+                continue
+            xs, _ = exact_pass(model, ids)
+            target = fit if fitting else held
+            for s in cfg.splits:
+                target[s].add(xs[s], {l: xs[l] for l in target[s].layers})
+            if fitting:
+                unigram += torch.bincount(ids.cpu(), minlength=unigram.numel()).double()
+                tokens += ids.numel()
+            del xs
+        if (i + 1) % 10 == 0:
+            log(f"[calibrate] {i + 1} documents, {tokens} fit tokens")
+    if fit[cfg.splits[0]].n < 2 or held[cfg.splits[0]].n < 2:
+        raise MapsError(f"need more than {cfg.heldout_docs} calibration documents (the first "
+                        f"{cfg.heldout_docs} are held out for λ), got {n_docs}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fp = model_fingerprint(model)
+    meta = {"fingerprint": fp, "calib_tokens": str(tokens), "max_len": str(cfg.max_len),
+            "num_layers": str(L), "hidden_size": str(d)}
+    summary = {"fingerprint": fp, "calib_tokens": tokens, "splits": {}}
+    for s in cfg.splits:
+        save_file({**fit[s].tensors("fit"), **held[s].tensors("held")},
+                  str(out_dir / f"stats-S{s}.safetensors"), metadata={**meta, "split": str(s)})
+        summary["splits"][s] = resolve(out_dir, s, cfg.lam, cfg.map_dtype, fit[s], held[s])
+        log(f"[calibrate] split {s}: λ={summary['splits'][s]['lambda']}")
+    save_file({"counts": unigram}, str(out_dir / "unigram.safetensors"), metadata=meta)
+    return summary
+
+
+def _stats(out_dir: Path, split: int) -> tuple[Moments, Moments, dict]:
+    path = out_dir / f"stats-S{split}.safetensors"
+    if not path.exists():
+        raise MapsError(f"no statistics for split {split} in {out_dir}; run calibrate first")
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    L, d = int(meta["num_layers"]), int(meta["hidden_size"])
+    layers = upper_layers(L, split)
+    return (Moments.from_tensors(t, "fit", d, layers), Moments.from_tensors(t, "held", d, layers),
+            meta)
+
+
+def resolve(out_dir: str | Path, split: int, lam: float | None = None, map_dtype: str = "bf16",
+            fit: Moments | None = None, held: Moments | None = None) -> dict:
+    """Solve (or re-solve, from the saved sums only) the maps of one split and save them."""
+    out_dir = Path(out_dir)
+    fit_s, held_s, meta = _stats(out_dir, split)
+    fit, held = fit or fit_s, held or held_s
+    scores = {}
+    if lam is None:
+        lam, scores = pick_lambda(fit, held)
+    maps = solve(fit, lam)
+    tensors = {}
+    for l, (a, b) in maps.items():
+        tensors.update(encode_matrix(f"A.{l}", a, map_dtype))
+        tensors[f"b.{l}"] = b.float()
+    path = out_dir / f"maps-S{split}.safetensors"
+    old = load_file(str(path)) if path.exists() else {}
+    tensors.update({k: v for k, v in old.items() if k.startswith("delta_state.")})
+    save_file(tensors, str(path), metadata={**meta, "split": str(split), "lambda": repr(lam),
+                                             "map_dtype": map_dtype,
+                                             "heldout_error": repr(heldout_error(maps, held))})
+    return {"lambda": lam, "heldout_error": heldout_error(maps, held),
+            "grid": {repr(k): v for k, v in scores.items()}, "path": str(path)}
+
+
+def encode_matrix(name: str, a: torch.Tensor, map_dtype: str) -> dict[str, torch.Tensor]:
+    if map_dtype == "bf16":
+        return {name: a.to(torch.bfloat16)}
+    scale = a.abs().amax(dim=1).clamp_min(1e-12) / 127.0                # per output row
+    q = torch.round(a / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return {name: q, f"{name.replace('A.', 'A_scale.')}": scale.float()}
+
+
+# ---- loading ----------------------------------------------------------------------------
+class RidgeMaps:
+    """The maps of one split, checked against the model; resident, or streamed per layer.
+
+    `get(l)` -> (A [d, d] fp32 in the model's device, b [d]). Streamed maps read layer l
+    from the file when asked and keep nothing.
+    """
+
+    def __init__(self, maps_dir: str | Path, model: CausalLM, split: int, *,
+                 resident: bool = True):
+        self.path = Path(maps_dir) / f"maps-S{split}.safetensors"
+        if not self.path.exists():
+            raise MapsError(f"no maps for split {split} in {maps_dir} "
+                            f"(calibrate with --splits {split})")
+        with safe_open(str(self.path), "pt") as f:
+            self.meta = f.metadata()
+            self._keys = set(f.keys())
+        fp = model_fingerprint(model)
+        if self.meta.get("fingerprint") != fp:
+            raise MapsError(f"maps in {self.path} were calibrated for model "
+                            f"{self.meta.get('fingerprint')}, not this one ({fp})")
+        if int(self.meta["split"]) != split:
+            raise MapsError(f"{self.path} holds split {self.meta['split']}, not {split}")
+        self.split, self.model = split, model
+        self.device, self.dtype = model.device, model.dtype
+        self.layers = upper_layers(model.config.num_hidden_layers, split)
+        self.map_id = f"{fp}/S{split}/λ{self.meta['lambda']}"
+        self.resident = resident
+        self._cache = {l: self._read(l) for l in self.layers} if resident else {}
+
+    def _read(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with safe_open(str(self.path), "pt") as f:
+            a = f.get_tensor(f"A.{l}")
+            if a.dtype == torch.int8:
+                a = a.float() * f.get_tensor(f"A_scale.{l}")[:, None]
+            b = f.get_tensor(f"b.{l}")
+        return a.to(self.device, self.dtype), b.to(self.device, self.dtype)
+
+    def get(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache[l] if self.resident else self._read(l)
+
+    def delta_state(self, l: int) -> torch.Tensor | None:
+        key = f"delta_state.{l}"
+        if key not in self._keys:
+            return None
+        with safe_open(str(self.path), "pt") as f:
+            return f.get_tensor(key).to(self.device)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
+                   for a, b in self._cache.values())
+
+    @property
+    def file_bytes(self) -> int:
+        return self.path.stat().st_size
+
+
+def load_unigram(maps_dir: str | Path, model: CausalLM) -> torch.Tensor:
+    path = Path(maps_dir) / "unigram.safetensors"
+    with safe_open(str(path), "pt") as f:
+        if f.metadata().get("fingerprint") != model_fingerprint(model):
+            raise MapsError(f"{path} was counted for another model")
+        return f.get_tensor("counts")

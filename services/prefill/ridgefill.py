@@ -1,0 +1,422 @@
+"""Exact and RidgeFill prefill of one prompt, composed from the model's stage API.
+
+    rows 0 .. N−1;  prefix = rows < P = N − T;  tail = rows ≥ P
+    layers 0..S−1   every row, exactly (the selectors read attention here)
+    layers S..L−1   exact rows E = tail ∪ selected prefix rows: the whole layer, attending
+                      over the partly filled cache (causal by absolute position)
+                    filled rows F = prefix − selected: only this layer's norm and K/V
+                      projections (GDN: its input projections) on
+                      x̂_l = A_l x_S + b_l (ridge) | x_S (identity) | nothing (none);
+                      layer S reads x_S itself, so its filled KV is exact
+                    GDN layers run their state update over E ∪ F in position order
+
+With the fill disabled (S = L or T ≥ N) every row runs every layer through the same calls,
+in the same order, as the exact engine's single-chunk prefill, so the KV, GDN states and
+logits are bitwise identical (tests/unit/test_ridgefill.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kernels.attention import get_backend
+from models.config import FULL_ATTENTION
+from models.gdn import GDNInputs
+from models.model import CausalLM
+from services.prefill.maps import RidgeMaps
+
+FILLS = ("ridge", "identity", "none")
+SELECTORS = ("none", "attention", "question-blind", "protected", "probe", "random")
+SPLICES = ("", "k", "v", "kv")
+
+
+class FillError(ValueError):
+    """Settings the prefill refuses before doing any work."""
+
+
+@dataclass(frozen=True)
+class FillSettings:
+    split: int                   # S; S = L disables the fill
+    tail: int                    # T exact trailing rows; T ≥ N disables the fill
+    fill: str = "ridge"          # ridge | identity (POP) | none
+    selector: str = "none"
+    budget: float = 0.1          # share of prefix rows the selector computes exactly
+    value_rescale: int = 0       # c: tail rows measuring the per-KV-head value scale (0: off)
+    terminal_correction: bool = False
+    seed: int = 0                # the random selector's seed
+    splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
+    query_rows: int = 64         # attention / question-blind selectors' query rows
+    probe_rows: int = 256        # probe selector's rows
+
+    def validate(self, num_layers: int) -> None:
+        if not isinstance(self.split, int) or not 1 <= self.split <= num_layers:
+            raise FillError(f"split must be an integer in 1..{num_layers - 1} (or {num_layers} "
+                            f"to disable the fill), got {self.split!r}")
+        if not isinstance(self.tail, int) or self.tail < 0:
+            raise FillError(f"tail must be an integer ≥ 0, got {self.tail!r}")
+        if self.fill not in FILLS:
+            raise FillError(f"fill must be one of {FILLS}, got {self.fill!r}")
+        if self.selector not in SELECTORS:
+            raise FillError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
+        if not 0.0 <= self.budget <= 1.0:
+            raise FillError(f"selector budget is a share of prefix rows in [0, 1], "
+                            f"got {self.budget!r}")
+        if not isinstance(self.value_rescale, int) or self.value_rescale < 0:
+            raise FillError(f"value_rescale must be an integer ≥ 0, got {self.value_rescale!r}")
+        if self.splice not in SPLICES:
+            raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
+        if self.query_rows < 1 or self.probe_rows < 1:
+            raise FillError("query_rows and probe_rows must be ≥ 1")
+
+    def enabled(self, num_layers: int, n: int) -> bool:
+        return self.split < num_layers and self.tail < n
+
+    def compute_share(self, num_layers: int, n: int) -> float:
+        """r = S/L + (1 − S/L)·T/N: the share of exact prefill's layer passes still run."""
+        if not self.enabled(num_layers, n):
+            return 1.0
+        s = self.split / num_layers
+        return s + (1 - s) * self.tail / n
+
+
+@dataclass
+class PrefillResult:
+    k: dict[int, torch.Tensor]                 # FA layer -> [N, KV, D]
+    v: dict[int, torch.Tensor]
+    valid: dict[int, torch.Tensor]             # FA layer -> [N] bool, keys present (none fill)
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)       # GDN -> [conv, Kc−1]
+    recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # GDN -> [HV, Dk, Dv]
+    prefix_recurrent: dict[int, torch.Tensor] = field(default_factory=dict)  # at row P
+    logits: torch.Tensor | None = None         # [n_logits, V] of the last rows
+    exact_rows: torch.Tensor | None = None     # positions run through every layer
+    num_filled: int = 0
+
+    def write(self, cache, block_table: list[int], state_slot: int | None) -> None:
+        """Store into an engine `CacheStorage`: KV at the prompt's slots, GDN states."""
+        n = next(iter(self.k.values())).shape[0] if self.k else 0
+        bs = cache.block_size
+        pos = torch.arange(n)
+        slots = torch.tensor(block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
+        slots = slots.to(cache.kv.device)
+        for l in self.k:
+            if not bool(self.valid[l].all()):
+                raise FillError("a no-fill prefill leaves keys missing; it is an eval arm "
+                                "and cannot be served")
+            cache.write_kv(l, slots, self.k[l], self.v[l])
+        for l in self.conv:
+            gi = cache.gdn_index[l]
+            cache.conv[gi, state_slot] = self.conv[l]
+            cache.recurrent[gi, state_slot] = self.recurrent[l]
+
+
+class RidgeFill:
+    """One model's prefill, exact or filled. `maps` (for `fill="ridge"`) must match the
+    split; `unigram` / `token_class` feed the `protected` selector."""
+
+    def __init__(self, model: CausalLM, maps: RidgeMaps | None = None,
+                 unigram: torch.Tensor | None = None, token_class: torch.Tensor | None = None,
+                 attention_backend: str | None = None):
+        self.model = model
+        self.maps = maps
+        self.unigram, self.token_class = unigram, token_class
+        self.attn = get_backend(attention_backend, model.device)
+        self.L = model.config.num_hidden_layers
+
+    # ---- checks ----------------------------------------------------------------------
+    def check(self, s: FillSettings, n: int) -> None:
+        s.validate(self.L)
+        if not s.enabled(self.L, n):
+            return
+        if s.fill == "ridge":
+            if self.maps is None:
+                raise FillError("fill='ridge' needs maps (calibrate, then pass --maps)")
+            if self.maps.split != s.split:
+                raise FillError(f"the maps were calibrated for split {self.maps.split}, "
+                                f"not {s.split}")
+        if s.selector == "protected" and (self.unigram is None or self.token_class is None):
+            raise FillError("the protected selector needs calibration unigram counts")
+        if s.terminal_correction and self.maps is None:
+            raise FillError("terminal-state correction needs maps with delta_state offsets")
+
+    # ---- the prefill -----------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: list[int] | torch.Tensor, s: FillSettings, n_logits: int = 1, *,
+                exact_kv: dict | None = None, record_state_at: int | None = None
+                ) -> PrefillResult:
+        """ids [N] -> PrefillResult of the last `n_logits` rows (at most T when filling).
+
+        `exact_kv` {l: (k, v)} feeds the splice diagnostic (computed here if not given);
+        `record_state_at` keeps each GDN layer's state after that many rows (calibrating
+        the terminal-state correction).
+        """
+        m = self.model
+        ids = torch.as_tensor(ids, dtype=torch.long, device=m.device)
+        n = ids.shape[0]
+        self.check(s, n)
+        if n_logits < 1:
+            raise FillError("n_logits must be ≥ 1")
+        enabled = s.enabled(self.L, n)
+        split = s.split if enabled else self.L
+        p = n - max(1, s.tail) if enabled else n    # prefix end (rows < p may be filled)
+        if record_state_at is not None and enabled and record_state_at != p:
+            raise FillError("a filled prefill records GDN states at its prefix end only")
+        if enabled and s.splice and exact_kv is None:
+            from services.prefill.capture import exact_pass
+            exact_kv = exact_pass(m, ids, keep_inputs=False, keep_kv=True)[1]
+        n_logits = min(n_logits, n - p) if enabled else min(n_logits, n)
+        positions = torch.arange(n, device=m.device)
+        res = PrefillResult({}, {}, {})
+        scorer = _Scorer(self, s, n, p) if enabled and s.selector in (
+            "attention", "question-blind") else None
+        # 1. lower layers, every row
+        x, h = m.embed(ids), None
+        for l in range(split):
+            x, h = self._layer(l, x, h, positions, res, scorer, record_state_at)
+        if not enabled:
+            res.logits = m.final(x[-n_logits:]).float()
+            res.exact_rows = positions
+            return res
+        # 2. pick the exact prefix rows
+        selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv)
+        exact = torch.cat([selected, positions[p:]])
+        keep = torch.ones(p, dtype=torch.bool, device=m.device)
+        keep[selected] = False
+        filled = positions[:p][keep]
+        # 3. upper layers: exact rows run, filled rows get their KV / GDN update from x̂_l
+        xe, he = x[exact], (h[exact] if h is not None else None)
+        xe, _ = self._upper(s, x, xe, he, exact, filled, p, res, exact_kv,
+                            record_state_at=record_state_at)
+        res.logits = m.final(xe[-n_logits:]).float()
+        res.exact_rows, res.num_filled = exact, int(filled.numel())
+        return res
+
+    # ---- pieces ----------------------------------------------------------------------
+    def _layer(self, l, x, h, positions, res, scorer, split_at):
+        """One exact layer over every row (the lower layers; the whole model if disabled)."""
+        m = self.model
+        if m.layer(l).kind == FULL_ATTENTION:
+            a = m.attn_inputs(l, x, positions, u=h)
+            res.k[l], res.v[l] = a.k, a.v
+            res.valid[l] = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            if scorer is not None:
+                scorer.add(l, a.q, a.k)
+            o, _ = self.attn.attention_lse(a.q[None], a.k[None], a.v[None], causal=True)
+            h = m.attn_output(l, x, o[0], a.gate)
+        else:
+            inp = m.gdn_inputs(l, x)
+            o = self._gdn_sequence(l, inp, res, split_at)
+            h = m.gdn_output(l, x, o, inp.z)
+        return m.mlp(l, h), h
+
+    def _gdn_sequence(self, l, inp: GDNInputs, res, split_at, correction=None):
+        """Run the delta rule over rows in order from a zero state; optionally stop at row
+        `split_at` to record (and correct) the state the tail inherits."""
+        lay = self.model.layer(l).linear_attn
+        conv0 = torch.zeros(1, inp.mixed.shape[-1], lay.conv1d.weight.shape[-1] - 1,
+                            dtype=inp.mixed.dtype, device=inp.mixed.device)
+        rec0 = torch.zeros(1, lay.hv, lay.dk, lay.dv, dtype=torch.float32,
+                           device=inp.mixed.device)
+        if split_at is None and correction is None:
+            o, conv, rec = self.model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)), conv0, rec0)
+            res.conv[l], res.recurrent[l] = conv[0], rec[0]
+            return o[0]
+        outs = []
+        head = GDNInputs(*(t[None, :split_at] for t in inp))
+        tail = GDNInputs(*(t[None, split_at:] for t in inp))
+        if split_at > 0:
+            o, conv0, rec0 = self.model.gdn_mix(l, head, conv0, rec0)
+            outs.append(o[0])
+        res.prefix_recurrent[l] = rec0[0].clone()
+        if correction is not None:
+            rec0 = rec0 + correction[None]
+        if tail.mixed.shape[1]:
+            o, conv0, rec0 = self.model.gdn_mix(l, tail, conv0, rec0)
+            outs.append(o[0])
+        res.conv[l], res.recurrent[l] = conv0[0], rec0[0]
+        return torch.cat(outs)
+
+    def _fill_input(self, s: FillSettings, l: int, x_split: torch.Tensor) -> torch.Tensor:
+        if l == s.split or s.fill == "identity":
+            return x_split
+        a, b = self.maps.get(l)
+        return torch.addmm(b, x_split, a.T)
+
+    def _upper(self, s, x_split, xe, he, exact, filled, p, res, exact_kv, *,
+               record_state_at=None, collect=None):
+        """Layers S..L−1. Returns (x of the exact rows after the last layer, h)."""
+        m = self.model
+        n = x_split.shape[0]
+        pos_e = exact
+        x_f = x_split[filled]
+        rescale_rows = exact[(exact >= p)][:s.value_rescale] if s.value_rescale else None
+        q_pos = pos_e[:, None]
+        causal = torch.arange(n, device=xe.device)[None, :] <= q_pos          # [E, N]
+        for l in range(s.split, self.L):
+            if m.layer(l).kind == FULL_ATTENTION:
+                a = m.attn_inputs(l, xe, pos_e, u=he)
+                k = torch.empty(n, *a.k.shape[1:], dtype=a.k.dtype, device=a.k.device)
+                v = torch.empty_like(k)
+                valid = torch.ones(n, dtype=torch.bool, device=k.device)
+                k[exact], v[exact] = a.k, a.v
+                if filled.numel():
+                    if s.fill == "none":
+                        k[filled], v[filled] = 0, 0
+                        valid[filled] = False
+                    else:
+                        xhat = self._fill_input(s, l, x_f)
+                        kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
+                        if rescale_rows is not None and l > s.split and rescale_rows.numel():
+                            vf = vf * self._value_scale(s, l, x_split, a.v, exact,
+                                                        rescale_rows)[None, :, None]
+                        if exact_kv is not None and "k" in s.splice:
+                            kf = exact_kv[l][0][filled]
+                        if exact_kv is not None and "v" in s.splice:
+                            vf = exact_kv[l][1][filled]
+                        k[filled], v[filled] = kf, vf
+                res.k[l], res.v[l], res.valid[l] = k, v, valid
+                mask = causal & valid[None, :]
+                if collect is not None:
+                    collect(l, a.q, k, mask)
+                o, _ = self.attn.attention_lse(a.q[None], k[None], v[None], mask=mask[None])
+                he = m.attn_output(l, xe, o[0], a.gate)
+            else:
+                he = self._upper_gdn(s, l, xe, x_f, exact, filled, p, res, record_state_at)
+            xe = m.mlp(l, he)
+        return xe, he
+
+    def _upper_gdn(self, s, l, xe, x_f, exact, filled, p, res, record_state_at):
+        m = self.model
+        inp_e = m.gdn_inputs(l, xe)
+        use_filled = bool(filled.numel()) and s.fill != "none"
+        rows = torch.cat([exact, filled]) if use_filled else exact
+        order = torch.argsort(rows)
+        if use_filled:
+            inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f))
+            seq = GDNInputs(*(torch.cat([te, tf])[order] for te, tf in zip(inp_e, inp_f)))
+        else:
+            seq = GDNInputs(*(t[order] for t in inp_e))
+        sorted_rows = rows[order]
+        split_at = int((sorted_rows < p).sum())
+        correction = None
+        if s.terminal_correction and use_filled and l > s.split:
+            delta = self.maps.delta_state(l)
+            if delta is not None:
+                g = m.layer(l).linear_attn.log_decay(seq.a[:split_at])       # [P', HV]
+                # weight of row t in the state at the prefix end: Π_{u>t} decay_u
+                w = torch.exp(g.flip(0).cumsum(0).flip(0) - g)
+                is_filled = torch.isin(sorted_rows[:split_at], filled)
+                rho = w[is_filled].sum(0) / w.sum(0).clamp_min(1e-30)        # [HV]
+                correction = rho[:, None, None] * delta
+        record = record_state_at is not None or correction is not None
+        o = self._gdn_sequence(l, seq, res, split_at if record else None, correction)
+        # outputs back in the exact rows' order
+        o_rows = torch.empty_like(o)
+        o_rows[order] = o
+        return m.gdn_output(l, xe, o_rows[:exact.numel()], inp_e.z)
+
+    def _value_scale(self, s, l, x_split, v_exact_rows, exact, rows) -> torch.Tensor:
+        """Per KV head: mean over `rows` of ‖v_exact‖ / ‖v(x̂)‖ -> [KV]."""
+        m = self.model
+        idx = torch.searchsorted(exact, rows)
+        v_true = v_exact_rows[idx].float()
+        _, v_pred = m.attn_key_value(l, m.norm_in(l, self._fill_input(s, l, x_split[rows])),
+                                     rows)
+        ratio = v_true.norm(dim=-1) / v_pred.float().norm(dim=-1).clamp_min(1e-12)
+        return ratio.mean(0).to(v_exact_rows.dtype)
+
+    # ---- selectors -------------------------------------------------------------------
+    def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv) -> torch.Tensor:
+        budget = int(round(s.budget * p))
+        dev = ids.device
+        empty = torch.zeros(0, dtype=torch.long, device=dev)
+        if s.selector == "none" or budget == 0 or p == 0:
+            return empty
+        if s.selector == "random":
+            g = torch.Generator().manual_seed(s.seed)
+            return torch.randperm(p, generator=g)[:budget].sort().values.to(dev)
+        if s.selector in ("attention", "question-blind"):
+            scores = scorer.scores[:p]
+        elif s.selector == "protected":
+            return self._protected(ids[:p], budget)
+        else:                                                       # probe (two sweeps)
+            scores = self._probe(s, x_split, positions, p, exact_kv)
+        return torch.topk(scores, min(budget, p)).indices.sort().values
+
+    def _protected(self, prefix_ids: torch.Tensor, budget: int) -> torch.Tensor:
+        """The rarest 25% of each token class (add-one calibration frequency), capped at
+        the budget by rarity."""
+        freq = (self.unigram.to(prefix_ids.device)[prefix_ids] + 1.0)
+        cls = self.token_class.to(prefix_ids.device)[prefix_ids]
+        chosen = []
+        for c in range(1, int(self.token_class.max()) + 1):
+            rows = (cls == c).nonzero()[:, 0]
+            if rows.numel():
+                k = max(1, math.ceil(0.25 * rows.numel()))
+                chosen.append(rows[torch.topk(-freq[rows], k).indices])
+        if not chosen:
+            return torch.zeros(0, dtype=torch.long, device=prefix_ids.device)
+        rows = torch.cat(chosen)
+        if rows.numel() > budget:
+            rows = rows[torch.topk(-freq[rows], budget).indices]
+        return rows.sort().values
+
+    def _probe(self, s, x_split, positions, p, exact_kv) -> torch.Tensor:
+        """Sweep 1: the last `probe_rows` rows run the exact upper layers over the fully
+        filled prefix (GDN from an empty state); rank prefix rows by the attention they
+        receive."""
+        n = x_split.shape[0]
+        rows = positions[max(0, n - s.probe_rows):]
+        prefix_only = positions[:min(p, rows[0].item())]
+        scores = torch.zeros(n, device=x_split.device)
+
+        def collect(l, q, k, mask):
+            scores.add_(_attention_received(q, k, mask))
+
+        scratch = PrefillResult({}, {}, {})
+        self._upper(s, x_split, x_split[rows], None, rows, prefix_only, p, scratch, exact_kv,
+                    collect=collect)
+        return scores[:p]
+
+
+class _Scorer:
+    """Attention the selector's query rows give every key at sub-split attention layers
+    (layers l with (l+1) % 4 == 0, else every attention layer below the split)."""
+
+    def __init__(self, fill: RidgeFill, s: FillSettings, n: int, p: int):
+        cfg = fill.model.config
+        fa = [l for l in cfg.full_attention_layers if l < s.split]
+        self.layers = set([l for l in fa if (l + 1) % 4 == 0] or fa)
+        if s.selector == "attention":
+            lo = max(0, n - s.query_rows)
+        else:                       # question-blind: the rows just before the tail
+            lo = max(0, p - s.query_rows)
+        self.rows = torch.arange(lo, n if s.selector == "attention" else p)
+        self.scores = torch.zeros(n)
+
+    def add(self, l, q, k):
+        if l not in self.layers or not self.rows.numel():
+            return
+        n = k.shape[0]
+        rows = self.rows.to(q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
+        self.scores = self.scores.to(q.device) + _attention_received(q[rows], k, mask)
+
+
+def _attention_received(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [Q, H, D], k [N, KV, D], mask [Q, N] -> [N]: softmax attention summed over heads
+    and queries."""
+    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
+    qf = q.float().view(q.shape[0], kvh, h // kvh, d)
+    sc = torch.einsum("qkgd,nkd->kgqn", qf, k.float()) * d ** -0.5
+    sc = sc.masked_fill(~mask[None, None], float("-inf"))
+    return torch.softmax(sc, dim=-1).nan_to_num(0.0).sum(dim=(0, 1, 2))
+
+
+def disabled_settings(num_layers: int) -> FillSettings:
+    return FillSettings(split=num_layers, tail=0)
+
+
+__all__ = ["FillError", "FillSettings", "PrefillResult", "RidgeFill", "FILLS", "SELECTORS",
+           "disabled_settings", "replace"]
