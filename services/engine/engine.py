@@ -55,8 +55,9 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(),
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), prefill_service=None):
         self.model = model
+        self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
         cfg = model.config
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings
@@ -96,6 +97,14 @@ class LLMEngine:
             raise RequestError("max_tokens", params.max_tokens,
                                f"needs {self.blocks.blocks_for(total)} KV blocks, the cache "
                                f"has {self.blocks.num_blocks}")
+        if params.prefill is not None:
+            if self.prefill_service is None:
+                raise RequestError("prefill_mode", "ridgefill", "this engine has no prefill "
+                                   "service")
+            try:
+                self.prefill_service.check(params.prefill, len(prompt_ids))
+            except ValueError as err:
+                raise RequestError("ridgefill", params.prefill, str(err)) from err
         seq_id = next(self._ids) if seq_id is None else seq_id
         if seq_id in self.seqs:
             raise RequestError("seq_id", seq_id, "is already in use")
@@ -123,12 +132,41 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        whole = [c for c in out.prefill if c.seq.params.prefill is not None and c.start == 0]
+        failed: list[StepOutput] = []
+        if whole:
+            failed = self._prefill_out_of_band(whole)
+            out = SchedulerOutput(out.decode, [c for c in out.prefill if not c.seq.finished],
+                                  out.preempted)
+        inner = SchedulerOutput(out.decode, [c for c in out.prefill if c not in whole], [])
         try:
-            logits = self.runner.run(out)
+            logits = self.runner.run(inner) if not inner.empty else None
         except Exception as exc:  # a failed step fails only the requests in it
             log.exception("engine step failed")
-            return [self._fail(c.seq, f"{type(exc).__name__}: {exc}") for c in out.chunks]
-        return self._postprocess(out, logits)
+            return failed + [self._fail(c.seq, f"{type(exc).__name__}: {exc}")
+                             for c in inner.chunks]
+        if whole:   # sampled rows in out.chunks order: decode, then prefill chunks
+            ext = {id(c): c.logits for c in whole if not c.seq.finished}
+            rows, it = [], iter(logits if logits is not None else [])
+            for c in out.chunks:
+                if c.sample:
+                    rows.append(ext[id(c)] if id(c) in ext else next(it))
+            logits = torch.stack(rows) if rows else None
+        return failed + (self._postprocess(out, logits) if logits is not None else [])
+
+    def _prefill_out_of_band(self, chunks) -> list[StepOutput]:
+        """Whole-prompt prefills by the prefill service, written into this cache."""
+        failed = []
+        for c in chunks:
+            seq = c.seq
+            try:
+                res = self.prefill_service.prefill(seq.tokens, seq.params.prefill)
+                res.write(self.cache, seq.block_table, seq.state_slot)
+                c.logits = res.logits[-1]
+            except Exception as exc:  # fails this request only
+                log.exception("prefill failed")
+                failed.append(self._fail(seq, f"{type(exc).__name__}: {exc}"))
+        return failed
 
     def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         sampling = [c for c in out.chunks if c.sample]

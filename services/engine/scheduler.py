@@ -21,6 +21,7 @@ class ScheduledChunk:
     start: int       # first position computed this step (== seq.num_computed)
     length: int      # tokens computed this step
     sample: bool     # the chunk reaches the sequence's end: sample a token from its last row
+    logits: object = None   # set by an out-of-band (prefill service) prefill
 
 
 @dataclass
@@ -122,6 +123,21 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if self.slots is not None and self.slots.num_free == 0:
+                break
+            if seq.whole_prefill:
+                # the prefill service takes the whole prompt at once: it needs every block
+                # now and the step's prefill budget to itself
+                if out.prefill or not self.blocks.can_allocate(
+                        self.blocks.blocks_for(seq.num_uncomputed)):
+                    break
+                self.waiting.popleft()
+                if self.slots is not None:
+                    seq.state_slot = self.slots.allocate()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                self.blocks.grow(seq.block_table, seq.num_tokens)
+                out.prefill.append(ScheduledChunk(seq, 0, seq.num_tokens, True))
+                budget = 0
                 break
             n = min(seq.num_uncomputed, self.max_prefill_chunk, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_for(n)):

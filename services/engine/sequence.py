@@ -24,6 +24,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False     # keep each sampled position's logits (tests, evals)
+    prefill: object | None = None   # FillSettings: the prefill service prefills the prompt
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -68,6 +69,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def whole_prefill(self) -> bool:
+        """The prompt is prefilled in one piece by the prefill service, not in chunks."""
+        return self.params.prefill is not None and self.num_computed == 0
 
     @property
     def finished(self) -> bool:

@@ -154,7 +154,7 @@ def check_split(num_layers: int, split: int) -> None:
 
 
 def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path,
-              log=print) -> dict:
+              log=print, token_class: torch.Tensor | None = None) -> dict:
     """Stream `token_docs` (an iterable of token-id lists) through the exact model once,
     accumulating every split's sums; the first `heldout_docs` documents are held out for λ.
     Writes stats, maps and unigram counts to `out_dir`; returns a summary."""
@@ -200,7 +200,10 @@ def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path
                   str(out_dir / f"stats-S{s}.safetensors"), metadata={**meta, "split": str(s)})
         summary["splits"][s] = resolve(out_dir, s, cfg.lam, cfg.map_dtype, fit[s], held[s])
         log(f"[calibrate] split {s}: λ={summary['splits'][s]['lambda']}")
-    save_file({"counts": unigram}, str(out_dir / "unigram.safetensors"), metadata=meta)
+    uni = {"counts": unigram}
+    if token_class is not None:
+        uni["token_class"] = token_class.to(torch.int8)
+    save_file(uni, str(out_dir / "unigram.safetensors"), metadata=meta)
     return summary
 
 
@@ -307,9 +310,74 @@ class RidgeMaps:
         return self.path.stat().st_size
 
 
-def load_unigram(maps_dir: str | Path, model: CausalLM) -> torch.Tensor:
+def load_unigram(maps_dir: str | Path, model: CausalLM):
+    """-> (token counts [V] float64, token classes [V] int8 or None)."""
     path = Path(maps_dir) / "unigram.safetensors"
     with safe_open(str(path), "pt") as f:
         if f.metadata().get("fingerprint") != model_fingerprint(model):
             raise MapsError(f"{path} was counted for another model")
-        return f.get_tensor("counts")
+        cls = f.get_tensor("token_class") if "token_class" in f.keys() else None
+        return f.get_tensor("counts"), cls
+
+
+WORD_START = ("Ġ", "▁", " ")
+
+
+def token_classes(tokenizer, vocab_size: int) -> torch.Tensor:
+    """[V] int8 class of each token for the `protected` selector: 1 uppercase word start,
+    2 uppercase word piece, 3 lowercase word piece, 4 mixed (letters with digits or
+    symbols); 0 anything else (lowercase word starts, digits, punctuation, specials)."""
+    out = torch.zeros(vocab_size, dtype=torch.int8)
+    for i, tok in enumerate(tokenizer.convert_ids_to_tokens(list(range(vocab_size)))):
+        if not tok:
+            continue
+        start = tok.startswith(WORD_START)
+        body = tok[1:] if start else tok
+        if not body or (tok.startswith("<") and tok.endswith(">")):
+            continue
+        if body.isalpha():
+            if body[0].isupper():
+                out[i] = 1 if start else 2
+            elif not start:
+                out[i] = 3
+        elif any(c.isalpha() for c in body) and any(not c.isalpha() for c in body):
+            out[i] = 4
+    return out
+
+
+def calibrate_terminal(model: CausalLM, maps_dir: str | Path, split: int, token_docs,
+                       tail: int = 64, log=print) -> int:
+    """Terminal-state offsets ΔM_l (hybrids): the mean of (exact − filled) GDN state at the
+    prefix end over `token_docs` (prompts kept apart from map fitting and evaluation).
+    Stored in the split's maps file; returns how many prompts were used."""
+    from services.prefill.ridgefill import FillSettings, RidgeFill
+
+    upper_gdn = [l for l in model.config.linear_attention_layers if l > split]
+    if not upper_gdn:
+        return 0
+    maps = RidgeMaps(maps_dir, model, split)
+    exact, filled = RidgeFill(model), RidgeFill(model, maps)
+    total = {l: 0 for l in upper_gdn}
+    count = 0
+    for ids in token_docs:
+        if len(ids) <= tail + 1:
+            continue
+        p = len(ids) - tail
+        ex = exact.prefill(ids, FillSettings(split=model.config.num_hidden_layers, tail=0),
+                           record_state_at=p)
+        fi = filled.prefill(ids, FillSettings(split=split, tail=tail), record_state_at=p)
+        for l in upper_gdn:
+            total[l] = total[l] + (ex.prefix_recurrent[l] - fi.prefix_recurrent[l]).double()
+        count += 1
+    if count == 0:
+        raise MapsError(f"no terminal-calibration prompt is longer than tail + 1 = {tail + 1}")
+    path = maps.path
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path))
+    for l in upper_gdn:
+        tensors[f"delta_state.{l}"] = (total[l] / count).float()
+    save_file(tensors, str(path), metadata={**meta, "terminal_prompts": str(count),
+                                            "terminal_tail": str(tail)})
+    log(f"[calibrate] split {split}: terminal-state offsets from {count} prompts")
+    return count
