@@ -1,4 +1,4 @@
-"""Prometheus metrics of the prefix cache (prefix `splitstack_prefix_cache_`; tokens, bytes, seconds)."""
+"""Prometheus metrics of the prefix cache (`splitstack_prefix_cache_*`: tokens, bytes, seconds)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -1,77 +1,25 @@
-"""The Redis tier of the prefix cache: a self-describing block encoding and the shared index.
+"""The Redis tier of the prefix cache: encoded blocks and the child index, shared by replicas.
 
-Keys: `{redis_prefix}:blk:{key}` holds one encoded block, `{redis_prefix}:kids:{parent}` a
-Redis hash child key -> child tokens (little-endian int64), so any replica pointing at the
-same Redis can walk the chain another one inserted.
+Keys: `{redis_prefix}:blk:{key}` holds one encoded block (`block.encode_block`), and
+`{redis_prefix}:kids:{parent}` a Redis hash child key -> child tokens (little-endian int64),
+so a replica pointing at the same Redis walks the chains another one inserted.
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import math
-import struct
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
-import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from services.prefix_cache.metrics import PrefixCacheMetrics
-from services.prefix_cache.store import (Block, PrefixCacheConfig, block_key, check_rows,
+from services.prefix_cache.block import (Block, CorruptBlock, decode_block, encode_block,
                                          token_bytes)
+from services.prefix_cache.metrics import PrefixCacheMetrics
 
-_MAGIC, _VERSION = b"SSPC", 1
-_PREAMBLE = struct.Struct("<4sBI")  # magic, version, header bytes
-_DIGEST = 32  # sha256 over everything before it
-
-
-class CorruptBlock(Exception):
-    """A stored block that fails to decode: bad magic or checksum, truncated, inconsistent."""
-
-
-def encode_block(block: Block) -> bytes:
-    """magic, version, header length | JSON header | tensor bytes | sha256 of all before."""
-    tensors = {"kv": block.kv, "hidden": block.hidden, "provenance": block.provenance}
-    tensors = {k: t for k, t in tensors.items() if t is not None}
-    header = json.dumps({
-        "parent": block.parent, "tokens": list(block.tokens), "map_id": block.map_id,
-        "tensors": [[k, str(t.dtype).removeprefix("torch."), list(t.shape)]
-                    for k, t in tensors.items()],
-    }).encode()
-    body = b"".join([_PREAMBLE.pack(_MAGIC, _VERSION, len(header)), header]
-                    + [t.reshape(-1).view(torch.uint8).numpy().tobytes()
-                       for t in tensors.values()])
-    return body + hashlib.sha256(body).digest()
-
-
-def decode_block(key: str, data: bytes, block_size: int) -> Block:
-    """Inverse of `encode_block`; raises `CorruptBlock` unless `data` is intact and keyed `key`."""
-    end = len(data) - _DIGEST
-    if end < _PREAMBLE.size or hashlib.sha256(data[:end]).digest() != data[end:]:
-        raise CorruptBlock(f"{key}: truncated or checksum mismatch")
-    magic, version, header_len = _PREAMBLE.unpack_from(data)
-    if magic != _MAGIC or version != _VERSION:
-        raise CorruptBlock(f"{key}: magic {magic!r} version {version}")
-    try:
-        header = json.loads(data[_PREAMBLE.size:_PREAMBLE.size + header_len])
-        offset, tensors = _PREAMBLE.size + header_len, {}
-        for name, dtype_name, shape in header["tensors"]:
-            dtype = getattr(torch, dtype_name)
-            size = math.prod(shape) * dtype.itemsize
-            raw = bytearray(data[offset:offset + size])
-            tensors[name] = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
-            offset += size
-        tokens = tuple(int(t) for t in header["tokens"])
-        block = Block(key, header["parent"], tokens, tensors["kv"], tensors.get("hidden"),
-                      tensors["provenance"], header["map_id"])
-        check_rows(len(tokens), block.kv, block.hidden, block.provenance)
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
-        raise CorruptBlock(f"{key}: {e}") from e
-    if offset != end or not tokens or block_key(block.parent, block_size, tokens) != key:
-        raise CorruptBlock(f"{key}: payload does not match its key")
-    return block
+if TYPE_CHECKING:
+    from services.prefix_cache.store import PrefixCacheConfig
 
 
 class RedisTier:
@@ -118,7 +66,7 @@ class RedisTier:
         raw = self._call(lambda c: c.hgetall(self._key("kids", parent)), {})
         kids = {}
         for child, tokens in raw.items():
-            if len(tokens) % 8:
+            if not tokens or len(tokens) % 8 or not child.isascii():
                 self.metrics.errors.labels(tier="redis", kind="corrupt").inc()
                 continue
             kids[child.decode()] = tuple(np.frombuffer(tokens, dtype="<i8").tolist())
