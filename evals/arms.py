@@ -54,10 +54,18 @@ class ExactArm(Arm):
         super().__init__(model, **options)
         self.engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=4096,
                                                     max_prefill_chunk=4096, max_num_seqs=8))
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
 
     @torch.inference_mode()
     def tail_logits(self, ids: list[int], tail_len: int) -> torch.Tensor:
-        return self.model.forward(torch.tensor([ids]), last_n=tail_len)[0].float()
+        """Memoised: every arm is scored against the same exact logits."""
+        key = (tuple(ids), tail_len)
+        if key not in self._cache:
+            self._cache[key] = self.model.forward(torch.tensor([ids]), last_n=tail_len)[0].float()
+        return self._cache[key]
 
     def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)

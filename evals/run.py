@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from evals import arms as arms_mod
+from evals import ridgefill_arms  # noqa: F401  (registers the RidgeFill arms)
 from evals.corpus import SOURCE_NAME, documents, haystack_text
 from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
                            paired_difference, token_losses)
@@ -99,18 +100,24 @@ def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: A
 
 
 def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
-             dtype: torch.dtype = torch.float32, log=print) -> dict:
+             dtype: torch.dtype = torch.float32, log=print,
+             arm_options: dict | None = None) -> dict:
+    """`arm_options` (maps_dir, split, budget, ...) go to every non-exact arm; their tail
+    defaults to the eval's tail_len, so the scored tail is always computed exactly."""
     from models import load_model
     from services.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=dtype)
-    arm_objs = {name: arms_mod.make_arm(name, model) for name in arm_names}
+    options = {"tail": cfg.tail_len, **(arm_options or {})}
+    arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
+                for name in arm_names}
     exact = arm_objs.get("exact") or arms_mod.make_arm("exact", model)
     filler = tokenizer(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
     results = {name: ArmResult() for name in arm_names}
     timings: dict[str, float] = {}
     for length in cfg.lengths:
+        exact.clear_cache()
         docs = doc_token_windows(tokenizer, cfg.n_docs, length)
         items = {task: make_items(task, tokenizer, filler, length, cfg.n_items, cfg.seed,
                                   cfg.chat) for task in cfg.tasks}
@@ -123,9 +130,14 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
     return summarize(results, cfg, model_dir, timings)
 
 
+PAIRED_METRICS = ("loss", "new_token_loss", "key_token_loss", "retrieval", "retrieval_filled",
+                  "top1_agreement", "kl_median", "kl_mean")
+
+
 def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings) -> dict:
     summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
                "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
+    summary["paired_vs_identity"] = {}
     for name, res in results.items():
         arm_sum = summary["arms"][name] = {}
         for metric, groups in res.values.items():
@@ -133,19 +145,48 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
                 mean, lo, hi = bootstrap_ci({group: vals}, cfg.resamples, cfg.seed)
                 arm_sum.setdefault(metric, {})[group] = {"mean": mean, "ci": [lo, hi],
                                                          "n": len(vals)}
-        if name != "exact" and "exact" in results:
-            ex = results["exact"].values
-            for metric in ("loss", "new_token_loss", "key_token_loss", "retrieval"):
+            mean, lo, hi = bootstrap_ci(groups, cfg.resamples, cfg.seed)   # within-group
+            arm_sum[metric]["all"] = {"mean": mean, "ci": [lo, hi],
+                                      "n": sum(len(v) for v in groups.values())}
+        for ref in ("exact", "identity"):
+            if name == ref or ref not in results:
+                continue
+            ex = results[ref].values
+            for metric in PAIRED_METRICS:
                 if metric in res.values and metric in ex:
                     mean, lo, hi = paired_difference(res.values[metric], ex[metric],
                                                      cfg.resamples, cfg.seed)
-                    summary["paired_vs_exact"].setdefault(name, {})[metric] = {
+                    summary[f"paired_vs_{ref}"].setdefault(name, {})[metric] = {
                         "mean": mean, "ci": [lo, hi]}
     return summary
 
 
+OVERVIEW = (("retrieval_filled", "filled-region retrieval", True), ("retrieval", "retrieval", True),
+            ("new_token_loss", "new-token loss", False), ("key_token_loss", "key-token loss", False),
+            ("top1_agreement", "top-1 agreement", True), ("kl_median", "KL median", False),
+            ("kl_mean", "KL mean", False))
+
+
+def overview_table(summary: dict) -> str:
+    """One row per arm, every metric pooled over lengths and tasks (95% bootstrap CI)."""
+    cols = [c for c in OVERVIEW if any(c[0] in m for m in summary["arms"].values())]
+    lines = ["| arm | " + " | ".join(c[1] for c in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for name, metrics in summary["arms"].items():
+        cells = []
+        for key, _, pct in cols:
+            s = metrics.get(key, {}).get("all")
+            if s is None:
+                cells.append("–")
+                continue
+            f = (lambda v: f"{100 * v:.1f}") if pct else (lambda v: f"{v:.3f}")
+            cells.append(f"{f(s['mean'])} [{f(s['ci'][0])}, {f(s['ci'][1])}]")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(summary: dict) -> str:
-    lines = []
+    lines = ["## Overview\n", overview_table(summary), ""]
     for name, metrics in summary["arms"].items():
         lines.append(f"### arm `{name}`\n")
         lines.append("| metric | group | mean | 95% CI | n |\n|---|---|---|---|---|")
@@ -156,13 +197,14 @@ def markdown_table(summary: dict) -> str:
                 lines.append(f"| {metric} | {group} | {fmt(s['mean'])} | "
                              f"[{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | {s['n']} |")
         lines.append("")
-    for name, metrics in summary["paired_vs_exact"].items():
-        lines.append(f"### `{name}` − `exact` (paired)\n")
-        lines.append("| metric | mean | 95% CI |\n|---|---|---|")
-        for metric, s in metrics.items():
-            lines.append(f"| {metric} | {s['mean']:+.3f} | [{s['ci'][0]:+.3f}, "
-                         f"{s['ci'][1]:+.3f}] |")
-        lines.append("")
+    for ref in ("exact", "identity"):
+        for name, metrics in summary.get(f"paired_vs_{ref}", {}).items():
+            lines.append(f"### `{name}` − `{ref}` (paired)\n")
+            lines.append("| metric | mean | 95% CI |\n|---|---|---|")
+            for metric, s in metrics.items():
+                lines.append(f"| {metric} | {s['mean']:+.3f} | [{s['ci'][0]:+.3f}, "
+                             f"{s['ci'][1]:+.3f}] |")
+            lines.append("")
     lines.append(f"corpus: {summary['corpus']} (held-out split); tail_len "
                  f"{summary['config']['tail_len']}")
     return "\n".join(lines)

@@ -78,10 +78,74 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed,
                      chat=args.chat)
     start = time.perf_counter()
+    options = {k: v for k, v in (("maps_dir", args.maps), ("split", args.split),
+                                 ("budget", args.budget)) if v is not None}
     summary = run_eval(args.model, args.arms.split(","), cfg, DTYPES[args.dtype],
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+                       log=lambda m: print(m, file=sys.stderr, flush=True),
+                       arm_options=options)
     print(write_outputs(summary, args.out))
     print(f"[eval finished in {time.perf_counter() - start:.0f}s]", file=sys.stderr)
+    return 0
+
+
+def _calibration_docs(args, tokenizer):
+    """Token lists of the calibration text: --data files (one document each) or the
+    corpus's calibration split. Yields lazily, so nothing but one document is held."""
+    if args.data:
+        from pathlib import Path
+        for path in args.data:
+            yield tokenizer(Path(path).read_text(encoding="utf-8", errors="replace"),
+                            add_special_tokens=False)["input_ids"]
+        return
+    from evals.corpus import documents
+    for doc in documents("calib")[:args.max_docs]:
+        yield tokenizer(doc.text, add_special_tokens=False)["input_ids"]
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from services.prefill import maps as maps_mod
+
+    torch.set_num_threads(args.threads)
+    splits = tuple(int(x) for x in args.splits.split(","))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        if args.resolve:      # new λ from the saved sums; reads no text and no model
+            for s in splits:
+                info = maps_mod.resolve(args.out, s, args.lam, args.map_dtype)
+                print(json.dumps({"split": s, **info}))
+            return 0
+        from models import load_model
+        from services.common.tokenizer import load_tokenizer
+
+        if not args.model:
+            raise SystemExit("--model is required (unless --resolve)")
+        model = load_model(args.model, dtype=DTYPES[args.dtype])
+        tokenizer = load_tokenizer(args.model)
+        cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
+                                   heldout_docs=args.heldout_docs, map_dtype=args.map_dtype,
+                                   lam=args.lam)
+        for s in splits:
+            maps_mod.check_split(model.config.num_hidden_layers, s)
+        start = time.perf_counter()
+        docs = _calibration_docs(args, tokenizer)
+        terminal = []
+        if model.config.is_hybrid and args.terminal_docs and not args.data:
+            from evals.corpus import documents
+            held = documents("calib")[args.max_docs:args.max_docs + args.terminal_docs]
+            terminal = [tokenizer(d.text, add_special_tokens=False)["input_ids"][:args.max_len]
+                        for d in held]
+        summary = maps_mod.calibrate(model, docs, cfg, args.out, log=log,
+                                     token_class=maps_mod.token_classes(
+                                         tokenizer, model.config.vocab_size))
+        for s in splits:
+            if terminal:
+                maps_mod.calibrate_terminal(model, args.out, s, terminal, args.terminal_tail,
+                                            log=log)
+        summary["seconds"] = round(time.perf_counter() - start, 1)
+        print(json.dumps(summary, indent=2, default=str))
+    except maps_mod.MapsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -104,13 +168,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.server import build_embedded
+    from services.prefill.service import PrefillConfig
 
     torch.set_num_threads(args.threads)
-    app = build_embedded(args.model, served_name=args.served_model_name,
-                         dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs,
-                         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)))
+    prefill = PrefillConfig(mode=args.prefill_mode, maps_dir=args.maps,
+                            resident=not args.maps_streamed, split=args.split, tail=args.tail,
+                            selector=args.selector, budget=args.budget,
+                            value_rescale=args.value_rescale,
+                            terminal_correction=args.terminal_correction)
+    try:
+        app = build_embedded(args.model, served_name=args.served_model_name,
+                             dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs,
+                             kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                             prefill=prefill)
+    except ValueError as err:          # bad prefill settings or maps: refuse to start
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
-          f"(embedded exact engine)", file=sys.stderr, flush=True)
+          f"(embedded engine, {args.prefill_mode} prefill)", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -156,7 +231,32 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--threads", type=int, default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
+    ev.add_argument("--maps", help="RidgeFill maps directory (for the fill arms)")
+    ev.add_argument("--split", type=int, help="RidgeFill split S (default: half depth)")
+    ev.add_argument("--budget", type=float, help="selectors' share of prefix rows (0.1)")
     ev.set_defaults(func=cmd_eval)
+
+    cal = sub.add_parser("calibrate", help="fit RidgeFill maps (streamed ridge regression)")
+    cal.add_argument("--model", help="Hugging Face model directory")
+    cal.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 4,6")
+    cal.add_argument("--data", nargs="*", help="text files, one document each (default: the "
+                                               "corpus's calibration split)")
+    cal.add_argument("--max-docs", type=int, default=60, help="corpus documents to read")
+    cal.add_argument("--max-len", type=int, default=2048, help="rows per forward pass")
+    cal.add_argument("--heldout-docs", type=int, default=5,
+                     help="first documents held out to pick λ")
+    cal.add_argument("--lambda", dest="lam", type=float, default=None,
+                     help="ridge λ (default: picked on the held-out documents)")
+    cal.add_argument("--map-dtype", choices=["bf16", "int8"], default="bf16")
+    cal.add_argument("--resolve", action="store_true",
+                     help="re-solve saved statistics in --out for a new λ (no data read)")
+    cal.add_argument("--terminal-docs", type=int, default=8,
+                     help="hybrids: prompts (apart from the map data) for ΔM")
+    cal.add_argument("--terminal-tail", type=int, default=256)
+    cal.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    cal.add_argument("--threads", type=int, default=2)
+    cal.add_argument("--out", required=True, help="maps directory")
+    cal.set_defaults(func=cmd_calibrate)
 
     der = sub.add_parser("derive", help="derive a checkpoint from SmolLM2 (see models/zoo)")
     der.add_argument("what", choices=["qknorm", "apply-qknorm"],
@@ -185,6 +285,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="memory for the paged KV cache; caps the context length")
     srv.add_argument("--threads", type=int, default=2)
     srv.add_argument("--log-level", default="info")
+    rf = srv.add_argument_group("RidgeFill prefill (requests may override: prefill_mode, "
+                                "ridgefill={...})")
+    rf.add_argument("--prefill-mode", choices=["exact", "ridgefill"], default="exact")
+    rf.add_argument("--maps", help="maps directory from `splitstack calibrate`")
+    rf.add_argument("--maps-streamed", action="store_true",
+                    help="read maps one layer at a time instead of keeping them resident")
+    rf.add_argument("--split", type=int, default=None, help="split S (default: half depth)")
+    rf.add_argument("--tail", type=int, default=256, help="exact tail T")
+    rf.add_argument("--selector", default="none",
+                    choices=["none", "attention", "question-blind", "protected", "probe",
+                             "random"])
+    rf.add_argument("--budget", type=float, default=0.1, help="selector's share of prefix rows")
+    rf.add_argument("--value-rescale", type=int, default=0, help="c tail rows (0: off)")
+    rf.add_argument("--terminal-correction", action="store_true")
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -27,8 +27,9 @@ from services.gateway.protocol import (APIError, ChatCompletionRequest, Completi
 
 class Gateway:
     def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int,
-                 default_temperature: float = 1.0):
+                 default_temperature: float = 1.0, prefill_service=None):
         self.backend = backend
+        self.prefill_service = prefill_service
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -51,9 +52,21 @@ class Gateway:
             sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
                                       top_p=req.top_p, seed=req.seed)
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
-                                    ignore_eos=req.ignore_eos)
+                                    ignore_eos=req.ignore_eos,
+                                    prefill=self.prefill_settings(req, prompt_len))
         except (SamplingError, RequestError) as exc:
             raise APIError(400, str(exc)) from exc
+
+    def prefill_settings(self, req: _Common, prompt_len: int):
+        if self.prefill_service is None:
+            if req.prefill_mode not in (None, "exact") or req.ridgefill:
+                raise APIError(400, "this server has no RidgeFill prefill service (start it "
+                                    "with --maps)", "prefill_mode")
+            return None
+        try:
+            return self.prefill_service.resolve(req.prefill_mode, req.ridgefill, prompt_len)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "ridgefill") from exc
 
     def completion_ids(self, req: CompletionRequest) -> list[int]:
         if isinstance(req.prompt, list):

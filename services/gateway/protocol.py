@@ -39,6 +39,10 @@ class _Common(BaseModel):
     n: int = Field(default=1, ge=1, le=1)
     logprobs: bool | int | None = None
     ignore_eos: bool = False
+    # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
+    # ({split, tail, fill, selector, budget, value_rescale, terminal_correction, seed})
+    prefill_mode: str | None = None
+    ridgefill: dict | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

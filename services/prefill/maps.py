@@ -53,41 +53,51 @@ def model_fingerprint(model: CausalLM) -> str:
 # ---- statistics -------------------------------------------------------------------------
 @dataclass
 class Moments:
-    """Σx, Σxxᵀ and per target layer Σy, Σxyᵀ, Σ‖y‖² over n rows (float64)."""
+    """Shifted sums over n rows, float64: with x' = x − cx and y' = y − cy (fixed reference
+    vectors taken from the first rows, so the sums never cancel catastrophically),
+    Σx', Σx'x'ᵀ and per target layer Σy', Σx'y'ᵀ, Σ‖y'‖². Each chunk's products are formed
+    in fp32 (at most max_len rows) and added into the float64 sums."""
     d: int
     layers: tuple[int, ...]
     n: int = 0
+    cx: torch.Tensor = None
     sx: torch.Tensor = None
     sxx: torch.Tensor = None
+    cy: dict[int, torch.Tensor] = field(default_factory=dict)
     sy: dict[int, torch.Tensor] = field(default_factory=dict)
     sxy: dict[int, torch.Tensor] = field(default_factory=dict)
     syy: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.sx is None:
-            self.sx = torch.zeros(self.d, dtype=torch.float64)
-            self.sxx = torch.zeros(self.d, self.d, dtype=torch.float64)
+            z = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
+            self.cx, self.sx, self.sxx = z(self.d), z(self.d), z(self.d, self.d)
             for l in self.layers:
-                self.sy[l] = torch.zeros(self.d, dtype=torch.float64)
-                self.sxy[l] = torch.zeros(self.d, self.d, dtype=torch.float64)
+                self.cy[l], self.sy[l], self.sxy[l] = z(self.d), z(self.d), z(self.d, self.d)
                 self.syy[l] = 0.0
 
     def add(self, x: torch.Tensor, ys: dict[int, torch.Tensor]) -> None:
         """x [n, d] split states, ys {l: [n, d]} the same rows' inputs of layer l."""
-        x = x.double()
+        first = self.n == 0
+        if first:
+            self.cx = x.double().mean(0).cpu()
+        xs = x.float() - self.cx.to(x.device, torch.float32)
         self.n += x.shape[0]
-        self.sx += x.sum(0)
-        self.sxx += x.T @ x
+        self.sx += xs.sum(0).double().cpu()
+        self.sxx += (xs.T @ xs).double().cpu()
         for l in self.layers:
-            y = ys[l].double()
-            self.sy[l] += y.sum(0)
-            self.sxy[l] += x.T @ y
-            self.syy[l] += float((y * y).sum())
+            if first:
+                self.cy[l] = ys[l].double().mean(0).cpu()
+            y = ys[l].float() - self.cy[l].to(x.device, torch.float32)
+            self.sy[l] += y.sum(0).double().cpu()
+            self.sxy[l] += (xs.T @ y).double().cpu()
+            self.syy[l] += float((y.double() ** 2).sum())
 
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        out = {f"{prefix}.sx": self.sx, f"{prefix}.sxx": self.sxx,
+        out = {f"{prefix}.cx": self.cx, f"{prefix}.sx": self.sx, f"{prefix}.sxx": self.sxx,
                f"{prefix}.n": torch.tensor([self.n], dtype=torch.float64)}
         for l in self.layers:
+            out[f"{prefix}.cy.{l}"] = self.cy[l]
             out[f"{prefix}.sy.{l}"] = self.sy[l]
             out[f"{prefix}.sxy.{l}"] = self.sxy[l]
             out[f"{prefix}.syy.{l}"] = torch.tensor([self.syy[l]], dtype=torch.float64)
@@ -96,7 +106,8 @@ class Moments:
     @classmethod
     def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str, d: int,
                      layers: tuple[int, ...]) -> "Moments":
-        return cls(d, layers, int(t[f"{prefix}.n"][0]), t[f"{prefix}.sx"], t[f"{prefix}.sxx"],
+        return cls(d, layers, int(t[f"{prefix}.n"][0]), t[f"{prefix}.cx"], t[f"{prefix}.sx"],
+                   t[f"{prefix}.sxx"], {l: t[f"{prefix}.cy.{l}"] for l in layers},
                    {l: t[f"{prefix}.sy.{l}"] for l in layers},
                    {l: t[f"{prefix}.sxy.{l}"] for l in layers},
                    {l: float(t[f"{prefix}.syy.{l}"][0]) for l in layers})
@@ -104,25 +115,28 @@ class Moments:
 
 def solve(m: Moments, lam: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The ridge maps {l: (A [d_out, d_in], b [d_out])} in float64."""
-    mu_x = m.sx / m.n
-    cxx = m.sxx - m.n * torch.outer(mu_x, mu_x)
+    mx = m.sx / m.n                                                     # mean of x'
+    cxx = m.sxx - m.n * torch.outer(mx, mx)
     alpha = lam * float(torch.trace(cxx)) / m.d
     chol = torch.linalg.cholesky(cxx + alpha * torch.eye(m.d, dtype=torch.float64))
     maps = {}
     for l in m.layers:
-        mu_y = m.sy[l] / m.n
-        cxy = m.sxy[l] - m.n * torch.outer(mu_x, mu_y)                 # [d_in, d_out]
+        my = m.sy[l] / m.n
+        cxy = m.sxy[l] - m.n * torch.outer(mx, my)                     # [d_in, d_out]
         a = torch.cholesky_solve(cxy, chol).T                           # [d_out, d_in]
-        maps[l] = (a, mu_y - a @ mu_x)
+        maps[l] = (a, (m.cy[l] + my) - a @ (m.cx + mx))
     return maps
 
 
 def heldout_error(maps, h: Moments) -> float:
-    """Mean over layers of Σ‖y − (Ax + b)‖² / Σ‖y − ȳ‖² on held-out rows (from sums only)."""
+    """Mean over layers of Σ‖y − (Ax + b)‖² / Σ‖y − ȳ‖² on held-out rows (from sums only):
+    in shifted terms the residual is y' − (A x' + b') with b' = b + A cx − cy."""
     errs = []
     for l, (a, b) in maps.items():
-        sq = (h.syy[l] - 2 * (float(torch.sum(a.T * h.sxy[l])) + float(b @ h.sy[l]))
-              + float(torch.sum((a @ h.sxx) * a)) + 2 * float(b @ (a @ h.sx)) + h.n * float(b @ b))
+        b2 = b + a @ h.cx - h.cy[l]
+        sq = (h.syy[l] - 2 * (float(torch.sum(a.T * h.sxy[l])) + float(b2 @ h.sy[l]))
+              + float(torch.sum((a @ h.sxx) * a)) + 2 * float(b2 @ (a @ h.sx))
+              + h.n * float(b2 @ b2))
         var = h.syy[l] - float(h.sy[l] @ h.sy[l]) / h.n
         errs.append(sq / max(var, 1e-30))
     return sum(errs) / len(errs) if errs else 0.0

@@ -1,0 +1,135 @@
+"""RidgeFill's evaluation arms (seed 000, Table 3 and Table 6).
+
+    nofill                  upper layers write nothing for prefix rows
+    identity                x̂_l = x_S (POP's fill)
+    ridgefill               x̂_l = A_l x_S + b_l
+    {identity,ridgefill}+{attention,question-blind,protected,probe,random}   exact rows
+    ridgefill+rescale       value rescale from the first 64 tail rows
+    ridgefill+terminal      terminal-state correction (hybrids)
+    ridgefill+splice-{k,v,kv}   exact keys / values / both swapped into filled rows
+    nofill+longtail         no fill, the tail lengthened to the fill's cost
+
+Options (from `splitstack eval`): maps_dir, split, tail (default: the eval tail), budget.
+Completions prefill through `RidgeFill` and decode greedily over the resulting cache with
+the exact model (`greedy_from_prefill`); the served path (engine + prefill service) gives
+the same tokens (tests/unit/test_ridgefill.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from evals.arms import Arm, register_arm
+from kernels.attention import get_backend
+from models.config import FULL_ATTENTION
+from models.gdn import GDNInputs
+from models.model import CausalLM
+from services.prefill.maps import RidgeMaps, load_unigram
+from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
+
+
+def map_cost_ratio(model: CausalLM) -> float:
+    """Multiply-adds of one filled row in one upper layer (map + norm + K/V projections)
+    over one exact row in one layer (projections + feed-forward), attention excluded."""
+    c = model.config
+    d, qd, kvd = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    ffn = 3 * d * (c.intermediate_size or c.moe_intermediate_size or d)
+    layer = d * (2 * qd + 2 * kvd) + ffn
+    return (d * d + 2 * d * kvd) / layer
+
+
+@torch.inference_mode()
+def greedy_from_prefill(model: CausalLM, res: PrefillResult, n_prompt: int,
+                        max_tokens: int) -> list[int]:
+    """Greedy decode over a (possibly filled) prefill, keys absent under no-fill excluded."""
+    backend = get_backend(None, model.device)
+    total = n_prompt + max_tokens
+    k, v, valid = {}, {}, {}
+    for l in res.k:
+        k[l] = torch.zeros(total, *res.k[l].shape[1:], dtype=res.k[l].dtype)
+        v[l] = torch.zeros_like(k[l])
+        valid[l] = torch.zeros(total, dtype=torch.bool)
+        k[l][:n_prompt], v[l][:n_prompt], valid[l][:n_prompt] = res.k[l], res.v[l], res.valid[l]
+    conv = {l: res.conv[l][None].clone() for l in res.conv}
+    rec = {l: res.recurrent[l][None].clone() for l in res.recurrent}
+    tok = int(res.logits[-1].argmax())
+    out = [tok]
+    for step in range(max_tokens - 1):
+        pos = n_prompt + step
+        positions = torch.tensor([pos])
+        x, h = model.embed(torch.tensor([tok])), None
+        for l, layer in enumerate(model.model.layers):
+            if layer.kind == FULL_ATTENTION:
+                a = model.attn_inputs(l, x, positions, u=h)
+                k[l][pos], v[l][pos], valid[l][pos] = a.k[0], a.v[0], True
+                o, _ = backend.attention_lse(a.q[None], k[l][None, :pos + 1],
+                                             v[l][None, :pos + 1],
+                                             mask=valid[l][None, None, :pos + 1])
+                h = model.attn_output(l, x, o[0], a.gate)
+            else:
+                inp = model.gdn_inputs(l, x)
+                o, conv[l], rec[l] = model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)),
+                                                   conv[l], rec[l])
+                h = model.gdn_output(l, x, o[0], inp.z)
+            x = model.mlp(l, h)
+        tok = int(model.final(x)[0].argmax())
+        out.append(tok)
+    return out
+
+
+class FillArm(Arm):
+    """A RidgeFill-family arm; subclasses only fix `base` settings."""
+    base: dict = {}
+
+    def __init__(self, model: CausalLM, *, maps_dir=None, split=None, tail=256, budget=0.1,
+                 **options):
+        super().__init__(model, **options)
+        L = model.config.num_hidden_layers
+        split = split or L // 2
+        settings = {"split": split, "tail": tail, "budget": budget, **self.base}
+        if settings.pop("longtail", False):
+            ratio = map_cost_ratio(model)
+            settings["tail"] = tail      # widened per prompt in `_settings`
+            self.longtail_ratio = ratio
+        else:
+            self.longtail_ratio = None
+        self.settings = FillSettings(**settings)
+        needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
+        maps = RidgeMaps(maps_dir, model, split) if needs_maps else None
+        unigram = token_class = None
+        if self.settings.selector == "protected":
+            unigram, token_class = load_unigram(maps_dir, model)
+        self.fill = RidgeFill(model, maps, unigram, token_class)
+
+    def _settings(self, n: int) -> FillSettings:
+        s = self.settings
+        if self.longtail_ratio is not None:   # S(N−T') + L·T' = S(N−T) + L·T + c(L−S)(N−T)
+            extra = int(self.longtail_ratio * (n - s.tail))
+            s = FillSettings(**{**s.__dict__, "tail": min(n, s.tail + extra)})
+        return s
+
+    def tail_logits(self, ids: list[int], tail_len: int) -> torch.Tensor:
+        return self.fill.prefill(ids, self._settings(len(ids)), n_logits=tail_len).logits
+
+    def complete(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outs = []
+        for ids in prompts:
+            res = self.fill.prefill(ids, self._settings(len(ids)))
+            outs.append(greedy_from_prefill(self.model, res, len(ids), max_tokens))
+        return outs
+
+
+def _register(name: str, **base) -> None:
+    register_arm(name)(type(f"Arm_{name}", (FillArm,), {"base": base}))
+
+
+_register("nofill", fill="none")
+_register("identity", fill="identity")
+_register("ridgefill", fill="ridge")
+for _sel in ("attention", "question-blind", "protected", "probe", "random"):
+    _register(f"ridgefill+{_sel}", fill="ridge", selector=_sel)
+    _register(f"identity+{_sel}", fill="identity", selector=_sel)
+_register("ridgefill+rescale", fill="ridge", value_rescale=64)
+_register("ridgefill+terminal", fill="ridge", terminal_correction=True)
+for _sp in ("k", "v", "kv"):
+    _register(f"ridgefill+splice-{_sp}", fill="ridge", splice=_sp)
+_register("nofill+longtail", fill="none", longtail=True)

@@ -1,0 +1,306 @@
+"""RidgeFill: calibration maths and storage, the fill prefill, its settings, the served path."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from evals.ridgefill_arms import greedy_from_prefill
+from models import load_model
+from models.random_checkpoint import save_random_checkpoint
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, calibrate,
+                                   calibrate_terminal, heldout_error, resolve, solve)
+from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
+from services.prefill.service import PrefillConfig, PrefillService
+
+FAMILIES = ["qwen3", "llama3", "qwen3_next", "qwen3_5"]
+
+
+@pytest.fixture(scope="module")
+def four_layer(tmp_path_factory, tiny_configs):
+    """family -> (model, maps_dir): 4-layer tiny checkpoints with maps for splits 1 and 2."""
+    out = {}
+
+    def get(family):
+        if family not in out:
+            cfg = dict(tiny_configs[family], num_hidden_layers=4)
+            cfg.pop("layer_types", None)
+            path = tmp_path_factory.mktemp(f"rf-{family}")
+            save_random_checkpoint(cfg, path, seed=3, std=0.1)
+            model = load_model(path)
+            g = torch.Generator().manual_seed(0)
+            docs = [torch.randint(0, 1000, (200,), generator=g).tolist() for _ in range(6)]
+            maps_dir = path / "maps"
+            calibrate(model, iter(docs), CalibConfig(splits=(1, 2), max_len=128, heldout_docs=2),
+                      maps_dir, log=lambda *_: None)
+            out[family] = (model, maps_dir)
+        return out[family]
+
+    return get
+
+
+def prompt(n, seed=0):
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ---- fill disabled == exact engine, bitwise ------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("how", ["split=L", "tail>=N"])
+def test_disabled_fill_is_bitwise_the_exact_engine(four_layer, family, how):
+    model, maps_dir = four_layer(family)
+    L, ids = model.config.num_hidden_layers, prompt(150)
+    settings = FillSettings(split=L, tail=0) if how == "split=L" else FillSettings(split=1,
+                                                                                     tail=150)
+    engine = LLMEngine(model, EngineConfig(max_prefill_chunk=4096, max_num_batched_tokens=4096,
+                                           num_blocks=32))
+    sid = engine.add_request(ids, GenerationParams(max_tokens=2, return_logits=True))
+    engine.step()                                   # the whole prompt, one chunk, one token
+    seq = engine.seqs[sid]
+    res = RidgeFill(model, RidgeMaps(maps_dir, model, 1)).prefill(ids, settings)
+    assert res.num_filled == 0
+    pos = torch.arange(150)
+    slots = torch.tensor(seq.block_table)[pos // 16] * 16 + pos % 16
+    for l in res.k:
+        kvh, d = res.k[l].shape[1:]
+        assert torch.equal(engine.cache.k(l).reshape(-1, kvh, d)[slots], res.k[l])
+        assert torch.equal(engine.cache.v(l).reshape(-1, kvh, d)[slots], res.v[l])
+    for l in res.conv:
+        gi = engine.cache.gdn_index[l]
+        assert torch.equal(engine.cache.conv[gi, seq.state_slot], res.conv[l])
+        assert torch.equal(engine.cache.recurrent[gi, seq.state_slot], res.recurrent[l])
+    assert torch.equal(seq.logits[0], res.logits[0])
+
+
+# ---- the fill machinery against exact ------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_prefix_row_selected_is_exact(four_layer, family):
+    """budget 1: all prefix rows exact, so masks, GDN ordering and scatter must be right."""
+    model, maps_dir = four_layer(family)
+    ids = prompt(120, seed=1)
+    exact = model.forward(torch.tensor([ids]), last_n=8)[0]
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1))
+    for selector in ("random", "attention"):
+        res = rf.prefill(ids, FillSettings(split=1, tail=16, selector=selector, budget=1.0),
+                         n_logits=8)
+        assert res.num_filled == 0
+        torch.testing.assert_close(res.logits, exact, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_layer_split_fills_exactly(four_layer, family):
+    """S = L−1: the only upper layer reads x_S itself, so filled KV / GDN inputs are exact."""
+    model, _ = four_layer(family)
+    L, ids = model.config.num_hidden_layers, prompt(100, seed=2)
+    res = RidgeFill(model).prefill(ids, FillSettings(split=L - 1, tail=10, fill="identity"),
+                                   n_logits=10)
+    assert res.num_filled == 90
+    exact = model.forward(torch.tensor([ids]), last_n=10)[0]
+    torch.testing.assert_close(res.logits, exact, atol=1e-4, rtol=0)
+
+
+def test_splice_of_exact_keys_and_values_restores_a_dense_model(four_layer):
+    model, maps_dir = four_layer("qwen3")
+    ids = prompt(100, seed=3)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1))
+    exact = model.forward(torch.tensor([ids]), last_n=4)[0]
+    filled = rf.prefill(ids, FillSettings(split=1, tail=12), n_logits=4).logits
+    spliced = rf.prefill(ids, FillSettings(split=1, tail=12, splice="kv"), n_logits=4).logits
+    assert (filled - exact).abs().max() > 1e-2          # the fill really changes the output
+    torch.testing.assert_close(spliced, exact, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_fill_arms_write_what_they_claim(four_layer, family):
+    model, maps_dir = four_layer(family)
+    ids = prompt(90, seed=4)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1))
+    fa_upper = [l for l in model.config.full_attention_layers if l >= 1]
+    none = rf.prefill(ids, FillSettings(split=1, tail=10, fill="none"))
+    for l in fa_upper:
+        assert not none.valid[l][:80].any() and none.valid[l][80:].all()
+    ident = rf.prefill(ids, FillSettings(split=1, tail=10, fill="identity"))
+    ridge = rf.prefill(ids, FillSettings(split=1, tail=10, fill="ridge"))
+    for l in fa_upper:
+        if l == 1:      # layer S reads x_S itself under both fills: identical keys
+            assert torch.equal(ident.k[l], ridge.k[l])
+        else:
+            assert not torch.equal(ident.k[l][:80], ridge.k[l][:80])
+    assert ridge.num_filled == 80 and ridge.exact_rows.tolist() == list(range(80, 90))
+
+
+def test_selectors_pick_budgeted_prefix_rows(four_layer):
+    model, maps_dir = four_layer("qwen3")
+    ids = prompt(200, seed=5)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1), unigram=torch.ones(1024),
+                   token_class=torch.randint(0, 5, (1024,), generator=torch.Generator()
+                                             .manual_seed(0)).to(torch.int8))
+    seen = {}
+    for sel in ("attention", "question-blind", "random", "probe", "protected"):
+        res = rf.prefill(ids, FillSettings(split=1, tail=40, selector=sel, budget=0.1))
+        rows = res.exact_rows[res.exact_rows < 160]
+        assert rows.numel() <= 16 and (rows >= 0).all() and rows.unique().numel() == rows.numel()
+        if sel != "protected":
+            assert rows.numel() == 16
+        seen[sel] = rows.tolist()
+    assert seen["attention"] != seen["random"]
+    again = rf.prefill(ids, FillSettings(split=1, tail=40, selector="random", seed=0))
+    other = rf.prefill(ids, FillSettings(split=1, tail=40, selector="random", seed=1))
+    assert again.exact_rows.tolist() == seen["random"] + list(range(160, 200))
+    assert other.exact_rows.tolist() != again.exact_rows.tolist()
+
+
+def test_protected_selector_takes_the_rarest_of_each_class(four_layer):
+    model, _ = four_layer("qwen3")
+    ids = [5] * 40 + [7] * 40 + [9] * 20 + [11] * 20 + list(range(100, 120))
+    counts = torch.full((1024,), 1000.0)
+    counts[9], counts[11] = 1.0, 2.0                      # 9 is the rarest, then 11
+    cls = torch.zeros(1024, dtype=torch.int8)
+    cls[[5, 7, 9, 11]] = 1
+    rf = RidgeFill(model, unigram=counts, token_class=cls)
+    res = rf.prefill(ids, FillSettings(split=1, tail=20, fill="identity",
+                                       selector="protected", budget=1.0))
+    rows = res.exact_rows[res.exact_rows < 120].tolist()
+    # 25% of the 120 class-1 prefix rows: every 9 (the rarest), then ten of the 11s
+    assert len(rows) == 30 and rows[:20] == list(range(80, 100))
+    assert all(100 <= r < 120 for r in rows[20:])
+
+
+# ---- calibration -----------------------------------------------------------------------
+def test_streamed_moments_solve_the_dense_ridge_problem():
+    g = torch.Generator().manual_seed(0)
+    d, lam = 12, 0.01
+    w = torch.randn(d, d, generator=g)
+    m = Moments(d, (3,))
+    xs, ys = [], []
+    for _ in range(5):
+        x = torch.randn(50, d, generator=g) * 3 + 40         # large mean: no cancellation
+        y = x @ w.T + 0.3 * torch.randn(50, d, generator=g) + 5
+        m.add(x, {3: y})
+        xs.append(x.double())
+        ys.append(y.double())
+    x, y = torch.cat(xs), torch.cat(ys)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    alpha = lam * torch.trace(xc.T @ xc) / d
+    a = yc.T @ xc @ torch.linalg.inv(xc.T @ xc + alpha * torch.eye(d, dtype=torch.float64))
+    b = y.mean(0) - a @ x.mean(0)
+    a2, b2 = solve(m, lam)[3]
+    torch.testing.assert_close(a2, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b2, b, atol=1e-3, rtol=1e-5)
+    # the held-out error computed from sums equals the direct one
+    hx = torch.randn(50, d, generator=g) * 3 + 40
+    hy = hx @ w.T + 0.3 * torch.randn(50, d, generator=g) + 5
+    h2 = Moments(d, (3,))
+    h2.add(hx, {3: hy})
+    resid = hy.double() - (hx.double() @ a2.T + b2)
+    direct = (resid ** 2).sum() / ((hy.double() - hy.double().mean(0)) ** 2).sum()
+    assert heldout_error({3: (a2, b2)}, h2) == pytest.approx(float(direct), rel=1e-4)  # fp32 chunk products
+
+
+def test_new_lambda_resolves_from_saved_sums_without_data(four_layer, tmp_path, monkeypatch):
+    model, maps_dir = four_layer("qwen3")
+    before = RidgeMaps(maps_dir, model, 1).get(3)[0].clone()
+    import services.prefill.capture as capture
+    monkeypatch.setattr(capture, "exact_pass", lambda *a, **k: pytest.fail("re-read data"))
+    info = resolve(maps_dir, 1, lam=0.9)
+    assert info["lambda"] == 0.9
+    after = RidgeMaps(maps_dir, model, 1).get(3)[0]
+    assert not torch.equal(before, after)
+    resolve(maps_dir, 1)                             # back to the held-out choice
+
+
+def test_int8_maps_match_bf16_maps(four_layer, tmp_path):
+    model, maps_dir = four_layer("llama3")
+    bf16 = RidgeMaps(maps_dir, model, 1).get(2)[0]
+    resolve(maps_dir, 1, map_dtype="int8")
+    try:
+        q = RidgeMaps(maps_dir, model, 1, resident=False)
+        int8 = q.get(2)[0]
+        assert q.file_bytes < bf16.numel() * 2 * 3     # int8 storage, not fp32
+        assert (int8 - bf16).abs().max() <= bf16.abs().max() / 100
+    finally:
+        resolve(maps_dir, 1, map_dtype="bf16")
+
+
+def test_maps_refuse_another_model_or_split(four_layer):
+    model, maps_dir = four_layer("qwen3")
+    other, _ = four_layer("llama3")
+    with pytest.raises(MapsError, match="calibrated for model"):
+        RidgeMaps(maps_dir, other, 1)
+    with pytest.raises(MapsError, match="no maps for split 3"):
+        RidgeMaps(maps_dir, model, 3)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 2))
+    with pytest.raises(FillError, match="calibrated for split 2"):
+        rf.prefill(prompt(50), FillSettings(split=1, tail=8))
+
+
+def test_terminal_offsets_are_the_mean_state_gap(four_layer):
+    model, maps_dir = four_layer("qwen3_next")
+    ids = prompt(120, seed=7)
+    calibrate_terminal(model, maps_dir, 1, [ids], tail=20, log=lambda *_: None)
+    maps = RidgeMaps(maps_dir, model, 1)
+    exact = RidgeFill(model).prefill(ids, FillSettings(split=4, tail=0), record_state_at=100)
+    filled = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=20),
+                                            record_state_at=100)
+    upper = [l for l in model.config.linear_attention_layers if l > 1]
+    assert upper
+    for l in upper:
+        torch.testing.assert_close(maps.delta_state(l),
+                                   exact.prefix_recurrent[l] - filled.prefix_recurrent[l])
+    corrected = RidgeFill(model, maps).prefill(
+        ids, FillSettings(split=1, tail=20, terminal_correction=True), n_logits=20)
+    plain = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=20), n_logits=20)
+    ref = model.forward(torch.tensor([ids]), last_n=20)[0]
+    # every prefix row is filled, so ρ = 1 and the prefix-end state becomes exact
+    assert (corrected.logits - ref).abs().mean() < (plain.logits - ref).abs().mean()
+
+
+# ---- settings are checked before any work ----------------------------------------------
+def test_bad_settings_fail_before_work(four_layer, monkeypatch):
+    model, maps_dir = four_layer("qwen3")
+    svc = PrefillService(model, PrefillConfig(maps_dir=str(maps_dir), split=2, tail=8))
+    calls = []
+    monkeypatch.setattr(model, "embed", lambda *a: calls.append(1))
+    bad = [{"split": 0}, {"split": 5}, {"tail": -1}, {"budget": 1.5}, {"selector": "psychic"},
+           {"fill": "none"}, {"value_rescale": -2}, {"bogus": 1}, {"split": 3}]
+    for overrides in bad:
+        with pytest.raises(ValueError):
+            svc.resolve("ridgefill", overrides, 100)
+    with pytest.raises(ValueError, match="prefill_mode"):
+        svc.resolve("fast", None, 100)
+    engine = LLMEngine(model, EngineConfig(num_blocks=32), prefill_service=svc)
+    with pytest.raises(ValueError, match="split"):
+        engine.add_request(prompt(40), GenerationParams(
+            prefill=FillSettings(split=7, tail=4)))
+    assert not calls and not engine.has_unfinished()
+
+
+def test_served_ridgefill_matches_the_eval_decode_and_frees_blocks(four_layer):
+    """Engine + prefill service (the served path) == RidgeFill + greedy decode (eval)."""
+    for family in ("qwen3", "qwen3_next"):
+        model, maps_dir = four_layer(family)
+        svc = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(maps_dir),
+                                                  split=1, tail=12, selector="attention"))
+        engine = LLMEngine(model, EngineConfig(num_blocks=48, max_prefill_chunk=32,
+                                               max_num_batched_tokens=64), prefill_service=svc)
+        prompts = [prompt(130, seed=8), prompt(60, seed=9), prompt(100, seed=10)]
+        rf = svc.resolve(None, None, 130)
+        params = [GenerationParams(max_tokens=6, ignore_eos=True, prefill=p)
+                  for p in (rf, None, rf)]
+        seqs = engine.generate(prompts, params)
+        for ids, seq, p in zip(prompts, seqs, params):
+            if p.prefill is None:
+                continue
+            res = svc.prefill(ids, p.prefill)
+            assert seq.output_ids == greedy_from_prefill(model, res, len(ids), 6)
+        plain = LLMEngine(model, EngineConfig(num_blocks=48)).generate(
+            [prompts[1]], GenerationParams(max_tokens=6, ignore_eos=True))[0]
+        assert seqs[1].output_ids == plain.output_ids
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_compute_share_bound():
+    s = FillSettings(split=12, tail=4096)
+    assert s.compute_share(32, 16384) == pytest.approx(12 / 32 + (20 / 32) * 4096 / 16384)
+    assert dataclasses.replace(s, tail=20000).compute_share(32, 16384) == 1.0
