@@ -47,6 +47,7 @@ class FillSettings:
     terminal_correction: bool = False
     seed: int = 0                # the random selector's seed
     splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
+    sink_rows: int = 0           # first rows always exact, outside the budget (attention sinks)
     query_rows: int = 64         # attention / question-blind selectors' query rows
     probe_rows: int = 256        # probe selector's rows
 
@@ -67,6 +68,8 @@ class FillSettings:
             raise FillError(f"value_rescale must be an integer ≥ 0, got {self.value_rescale!r}")
         if self.splice not in SPLICES:
             raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
+        if not isinstance(self.sink_rows, int) or self.sink_rows < 0:
+            raise FillError(f"sink_rows must be an integer ≥ 0, got {self.sink_rows!r}")
         if self.query_rows < 1 or self.probe_rows < 1:
             raise FillError("query_rows and probe_rows must be ≥ 1")
 
@@ -180,6 +183,8 @@ class RidgeFill:
             return res
         # 2. pick the exact prefix rows
         selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv)
+        if s.sink_rows:
+            selected = torch.unique(torch.cat([positions[:min(s.sink_rows, p)], selected]))
         exact = torch.cat([selected, positions[p:]])
         keep = torch.ones(p, dtype=torch.bool, device=m.device)
         keep[selected] = False
