@@ -66,7 +66,8 @@ class GatedDeltaNet(nn.Module):
                          self.in_proj_b(xn), self.in_proj_a(xn))
 
     def mix(self, inp: GDNInputs, conv_state: torch.Tensor | None,
-            recurrent_state: torch.Tensor | None, *, chunked: bool = True):
+            recurrent_state: torch.Tensor | None, *, chunked: bool = True,
+            out_rows: torch.Tensor | None = None):
         """Conv, gates and delta rule over [B, T] rows.
 
         Returns (o [B, T, HV, Dv] in model dtype, conv_state [B, conv_dim, Kc−1],
@@ -85,8 +86,11 @@ class GatedDeltaNet(nn.Module):
         r = self.hv // self.hk
         if r > 1:
             q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-        rule = chunk_gated_delta_rule if chunked and t > 1 else recurrent_gated_delta_rule
-        o, recurrent_state = rule(q, k, v, g, beta, recurrent_state)
+        if chunked and t > 1:
+            o, recurrent_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state,
+                                                        out_rows=out_rows)
+        else:
+            o, recurrent_state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state)
         return o.to(inp.mixed.dtype), conv_state, recurrent_state
 
     def log_decay(self, a: torch.Tensor) -> torch.Tensor:

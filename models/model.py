@@ -134,8 +134,9 @@ class CausalLM(nn.Module):
         return self.layer(l).linear_attn.inputs(self.norm_in(l, x))
 
     def gdn_mix(self, l: int, inp: GDNInputs, conv_state=None, recurrent_state=None, *,
-                chunked: bool = True):
-        return self.layer(l).linear_attn.mix(inp, conv_state, recurrent_state, chunked=chunked)
+                chunked: bool = True, out_rows: torch.Tensor | None = None):
+        return self.layer(l).linear_attn.mix(inp, conv_state, recurrent_state, chunked=chunked,
+                                             out_rows=out_rows)
 
     def gdn_output(self, l: int, x: torch.Tensor, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         return x + self.layer(l).linear_attn.output(o, z)

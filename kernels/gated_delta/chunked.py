@@ -20,8 +20,11 @@ from kernels.gated_delta.naive import prepare
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
-                           use_qk_l2norm: bool = True, chunk_size: int = 64):
-    """Same contract as `recurrent_gated_delta_rule`."""
+                           use_qk_l2norm: bool = True, chunk_size: int = 64,
+                           out_rows: torch.Tensor | None = None):
+    """Same contract as `recurrent_gated_delta_rule`. `out_rows` [T] bool: the rows whose
+    output is wanted (None: all); chunks holding none of them only advance the state and
+    their output rows are left zero (RidgeFill's filled rows need the state, not O)."""
     q, k, v, g, beta = prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     b, t, h, dk = k.shape
     dv = v.shape[-1]
@@ -47,15 +50,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
     tinv_rhs = torch.cat([v * beta[..., None], kb * gamma.exp().to(q.dtype)[..., None]], dim=-1)
     uw = torch.linalg.solve_triangular(eye + a, tinv_rhs, upper=False, unitriangular=True)
     u, w = uw[..., :dv], uw[..., dv:]
+    want = None
+    if out_rows is not None:
+        want = F.pad(out_rows, (0, pad)).view(n, c).any(-1).tolist()
     qk = (q @ k.transpose(-1, -2)) * decay
     q_decay = q * gamma.exp().to(q.dtype)[..., None]
     k_decay = k * (gamma[..., -1:] - gamma).exp().to(q.dtype)[..., None]
     s = (q.new_zeros(b, h, dk, dv) if initial_state is None
          else initial_state.to(q.dtype).clone())
-    out = q.new_empty(b, h, n, c, dv)
+    out = q.new_empty(b, h, n, c, dv) if want is None else q.new_zeros(b, h, n, c, dv)
     for i in range(n):
         vn = u[:, :, i] - w[:, :, i] @ s
-        out[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ vn
+        if want is None or want[i]:
+            out[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ vn
         s = s * gamma[:, :, i, -1].exp().to(q.dtype)[..., None, None] + k_decay[:, :, i].transpose(-1, -2) @ vn
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
     return out, s

@@ -215,29 +215,33 @@ class RidgeFill:
             h = m.gdn_output(l, x, o, inp.z)
         return m.mlp(l, h), h
 
-    def _gdn_sequence(self, l, inp: GDNInputs, res, split_at, correction=None):
+    def _gdn_sequence(self, l, inp: GDNInputs, res, split_at, correction=None, out_rows=None):
         """Run the delta rule over rows in order from a zero state; optionally stop at row
-        `split_at` to record (and correct) the state the tail inherits."""
+        `split_at` to record (and correct) the state the tail inherits. `out_rows` [T] bool
+        marks the rows whose output is used (the rest only advance the state)."""
         lay = self.model.layer(l).linear_attn
         conv0 = torch.zeros(1, inp.mixed.shape[-1], lay.conv1d.weight.shape[-1] - 1,
                             dtype=inp.mixed.dtype, device=inp.mixed.device)
         rec0 = torch.zeros(1, lay.hv, lay.dk, lay.dv, dtype=torch.float32,
                            device=inp.mixed.device)
         if split_at is None and correction is None:
-            o, conv, rec = self.model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)), conv0, rec0)
+            o, conv, rec = self.model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)), conv0, rec0,
+                                              out_rows=out_rows)
             res.conv[l], res.recurrent[l] = conv[0], rec[0]
             return o[0]
         outs = []
         head = GDNInputs(*(t[None, :split_at] for t in inp))
         tail = GDNInputs(*(t[None, split_at:] for t in inp))
         if split_at > 0:
-            o, conv0, rec0 = self.model.gdn_mix(l, head, conv0, rec0)
+            o, conv0, rec0 = self.model.gdn_mix(
+                l, head, conv0, rec0, out_rows=None if out_rows is None else out_rows[:split_at])
             outs.append(o[0])
         res.prefix_recurrent[l] = rec0[0].clone()
         if correction is not None:
             rec0 = rec0 + correction[None]
         if tail.mixed.shape[1]:
-            o, conv0, rec0 = self.model.gdn_mix(l, tail, conv0, rec0)
+            o, conv0, rec0 = self.model.gdn_mix(
+                l, tail, conv0, rec0, out_rows=None if out_rows is None else out_rows[split_at:])
             outs.append(o[0])
         res.conv[l], res.recurrent[l] = conv0[0], rec0[0]
         return torch.cat(outs)
@@ -315,7 +319,10 @@ class RidgeFill:
                 rho = w[is_filled].sum(0) / w.sum(0).clamp_min(1e-30)        # [HV]
                 correction = rho[:, None, None] * delta
         record = record_state_at is not None or correction is not None
-        o = self._gdn_sequence(l, seq, res, split_at if record else None, correction)
+        out_rows = None
+        if use_filled:      # filled rows only advance the state: skip their outputs
+            out_rows = order < exact.numel()
+        o = self._gdn_sequence(l, seq, res, split_at if record else None, correction, out_rows)
         # outputs back in the exact rows' order
         o_rows = torch.empty_like(o)
         o_rows[order] = o

@@ -152,6 +152,20 @@ def test_delta_rule_state_carries_across_calls():
     assert rel(torch.cat([o1, o2, o3], 1), o_all) < 1e-5 and rel(s3, s_all) < 1e-5
 
 
+def test_chunked_delta_rule_skips_unwanted_outputs_only():
+    q, k, v, g, beta = gdn_inputs(300)
+    o_all, s_all = chunk_gated_delta_rule(q, k, v, g, beta)
+    want = torch.zeros(300, dtype=torch.bool)
+    want[[5, 250]] = True
+    want[280:] = True
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, out_rows=want)
+    assert torch.equal(s, s_all)                        # the state is untouched
+    kept = torch.zeros(300, dtype=torch.bool)
+    for c0 in range(0, 300, 64):
+        kept[c0:c0 + 64] = want[c0:c0 + 64].any()
+    assert torch.equal(o[:, kept], o_all[:, kept]) and not o[:, ~kept].any()
+
+
 def test_delta_rule_single_step_definition():
     """One step from a zero state: S = β k vᵀ after l2-normalising k, o = Sᵀ q·scale."""
     q, k, v, g, beta = gdn_inputs(1, b=1, h=1, dk=4, dv=3)

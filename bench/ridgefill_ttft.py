@@ -1,0 +1,120 @@
+"""TTFT of exact vs RidgeFill prefill, in one run: median of N, with the compute bound.
+
+For each bench config (random weights, fp32, CPU) and prompt length N, both arms go through
+the prefill service and return the first token's logits:
+
+    exact      the fill disabled: bitwise the exact engine's one-chunk prefill
+    ridgefill  split S, tail T, maps resident (and, once per length, streamed)
+
+The compute bound is 1/r with r = S/L + (1 − S/L)·T/N (layer passes only); "share" is the
+measured speedup over that bound. Maps are calibrated first on a few random-token documents
+(their values do not matter for time, only their shapes). Also prints the map memory.
+
+    python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
+                                   [--tail 512] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models import load_model  # noqa: E402
+from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
+from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
+from services.prefill.ridgefill import FillSettings  # noqa: E402
+from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Path) -> list[dict]:
+    cfg = dict(load_configs("bench")[family])
+    cfg["max_position_embeddings"] = max(lengths) * 2
+    path = tmp / family
+    save_random_checkpoint(cfg, path, seed=0, std=0.02)
+    model = load_model(path)
+    L = model.config.num_hidden_layers
+    split = L // 2
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    docs = [torch.randint(0, vocab, (512,), generator=g).tolist() for _ in range(4)]
+    calibrate(model, iter(docs), CalibConfig(splits=(split,), max_len=512, heldout_docs=1),
+              path / "maps", log=lambda *_: None)
+    resident = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
+                                                   split=split, tail=tail))
+    streamed = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
+                                                   split=split, tail=tail, resident=False))
+    maps_r, maps_s = resident.maps(split), streamed.maps(split)
+    layer_bytes = max(maps_r.get(l)[0].numel() * maps_r.get(l)[0].element_size()
+                      for l in maps_r.layers) if maps_r.layers else 0
+    rows = []
+    for n in lengths:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        exact = FillSettings(split=L, tail=0)
+        fill = FillSettings(split=split, tail=tail)
+        resident.prefill(ids[:256], exact)                       # warm the kernels
+        t_exact, t_fill = [], []
+        for _ in range(reps):                                    # alternate the arms
+            t_exact.append(timed(lambda: resident.prefill(ids, exact)))
+            t_fill.append(timed(lambda: resident.prefill(ids, fill)))
+        t_stream = timed(lambda: streamed.prefill(ids, fill))
+        e, f = statistics.median(t_exact), statistics.median(t_fill)
+        bound = 1.0 / fill.compute_share(L, n)
+        rows.append({"family": family, "n": n, "S": split, "L": L, "T": tail,
+                     "exact_s": e, "ridgefill_s": f, "speedup": e / f, "bound": bound,
+                     "share": (e / f) / bound, "streamed_s": t_stream,
+                     "maps_resident_mib": maps_r.resident_bytes / 2**20,
+                     "maps_streamed_peak_mib": layer_bytes / 2**20,
+                     "maps_file_mib": maps_s.file_bytes / 2**20})
+        r = rows[-1]
+        print(f"{family:>9} N={n:>6}: exact {e:7.2f}s  ridgefill {f:7.2f}s  speedup "
+              f"{r['speedup']:.2f}× / bound {bound:.2f}× = {100 * r['share']:.0f}%  "
+              f"(streamed maps {t_stream:.2f}s)", flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--families", default="qwen3,qwen3_5")
+    ap.add_argument("--lengths", default="2048,4096,8192,16384")
+    ap.add_argument("--tail", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in args.families.split(","):
+            rows += bench_family(family, lengths, args.tail, args.reps, Path(tmp))
+    print("\n| config | N | S/L | T | exact (s) | RidgeFill (s) | speedup | bound 1/r | "
+          "share of bound | streamed maps (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['family']} | {r['n']} | {r['S']}/{r['L']} | {r['T']} | {r['exact_s']:.2f} | "
+              f"{r['ridgefill_s']:.2f} | {r['speedup']:.2f}× | {r['bound']:.2f}× | "
+              f"{100 * r['share']:.0f}% | {r['streamed_s']:.2f} |")
+    seen = set()
+    for r in rows:
+        if r["family"] not in seen:
+            seen.add(r["family"])
+            print(f"maps {r['family']}: resident {r['maps_resident_mib']:.1f} MiB in memory, "
+                  f"streamed peak {r['maps_streamed_peak_mib']:.1f} MiB (one layer), "
+                  f"{r['maps_file_mib']:.1f} MiB on disk (bf16)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
