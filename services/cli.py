@@ -176,16 +176,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             selector=args.selector, budget=args.budget,
                             value_rescale=args.value_rescale,
                             terminal_correction=args.terminal_correction)
+    if not args.prefix_cache and (args.redis_url or args.reuse_filled):
+        print("error: --redis-url and --reuse-filled need --prefix-cache", file=sys.stderr)
+        return 2
     try:
         app = build_embedded(args.model, served_name=args.served_model_name,
                              dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs,
                              kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                             prefill=prefill)
-    except ValueError as err:          # bad prefill settings or maps: refuse to start
+                             prefill=prefill,
+                             prefix_cache_bytes=args.prefix_cache_bytes if args.prefix_cache
+                             else None,
+                             prefix_block_size=args.prefix_block_size, redis_url=args.redis_url,
+                             reuse_filled=args.reuse_filled, replay_ratio=args.replay_ratio)
+    except ValueError as err:   # bad prefill or prefix-cache settings, or maps: refuse to start
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
-          f"(embedded engine, {args.prefill_mode} prefill)", file=sys.stderr, flush=True)
+          f"(embedded engine, {args.prefill_mode} prefill"
+          f"{', prefix cache' if args.prefix_cache else ''})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -299,6 +307,21 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--budget", type=float, default=0.1, help="selector's share of prefix rows")
     rf.add_argument("--value-rescale", type=int, default=0, help="c tail rows (0: off)")
     rf.add_argument("--terminal-correction", action="store_true")
+    pc = srv.add_argument_group("prefix cache (Tail-Replay; requests may override: "
+                                "replay_ratio)")
+    pc.add_argument("--prefix-cache", action="store_true",
+                    help="reuse cached prompt prefixes at token granularity")
+    pc.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                    help="capacity of the in-process memory tier")
+    pc.add_argument("--prefix-block-size", type=int, default=16,
+                    help="tokens per hashed block of the index")
+    pc.add_argument("--redis-url", default=None,
+                    help="shared Redis tier and index, e.g. redis://127.0.0.1:6379/0")
+    pc.add_argument("--reuse-filled", action="store_true",
+                    help="also reuse rows a RidgeFill prefill filled")
+    pc.add_argument("--replay-ratio", type=float, default=0.1,
+                    help="r: replay the last ceil(r·m) rows of an m-token hit through the "
+                         "linear-attention layers (hybrid models; 0: zero-only)")
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -6,6 +6,8 @@
 
 Requests go in with `add_request` (validated there, so a bad request fails alone) and come
 back as `StepOutput`s. `abort` and failures free the request's blocks and state slot at once.
+With a `prefix_cache`, admitted prompts start after their cached prefix (restored by
+`prefix.PrefixReuse` before the step runs) and completed prompts are stored.
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ from kernels.sampling import sample
 from models.model import CausalLM
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
+from services.engine.prefix import PrefixReuse
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import GenerationParams, RequestError, Sequence, Status
+from services.prefix_cache import PrefixCache
+from services.prefix_cache.replay import TailReplayConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +60,12 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(),
-                 eos_token_ids: tuple[int, ...] = (), prefill_service=None):
+                 eos_token_ids: tuple[int, ...] = (), prefill_service=None,
+                 prefix_cache: PrefixCache | None = None, replay_ratio: float = 0.1,
+                 replay_overlap: bool = True, ffn_skip: bool = True):
+        """`prefix_cache`: reuse cached prompt prefixes (Tail-Replay for hybrid models, with
+        `replay_ratio` r unless a request sets its own, the KV write overlapping the replay
+        and the tail-FFN skip); None: every prompt is prefilled in full."""
         self.model = model
         self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
@@ -71,10 +81,15 @@ class LLMEngine:
         self.slots = SlotPool(config.max_num_seqs) if cfg.is_hybrid else None
         self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,
                                   model.dtype, model.device)
+        replay = TailReplayConfig(replay_ratio, replay_overlap, ffn_skip)
+        self.prefix = (PrefixReuse(prefix_cache, model, self.cache, replay)
+                       if prefix_cache is not None else None)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_prefill_chunk=config.max_prefill_chunk)
-        self.runner = ModelRunner(model, self.cache, config.attention_backend)
+                                   max_prefill_chunk=config.max_prefill_chunk,
+                                   cached_tokens=self.prefix.cached_tokens if self.prefix else None)
+        self.runner = ModelRunner(model, self.cache, config.attention_backend,
+                                  keep_hidden=self.prefix.hidden_layers if self.prefix else ())
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
@@ -132,10 +147,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        whole = [c for c in out.prefill if c.seq.params.prefill is not None and c.start == 0]
         failed: list[StepOutput] = []
+        if self.prefix is not None:
+            failed = [self._fail(seq, f"{type(exc).__name__}: {exc}")
+                      for seq, exc in self.prefix.begin(out.prefill)]
+            if failed:
+                out = SchedulerOutput(out.decode, [c for c in out.prefill if not c.seq.finished],
+                                      out.preempted)
+        whole = [c for c in out.prefill if c.seq.params.prefill is not None and c.start == 0]
         if whole:
-            failed = self._prefill_out_of_band(whole)
+            failed += self._prefill_out_of_band(whole)
             out = SchedulerOutput(out.decode, [c for c in out.prefill if not c.seq.finished],
                                   out.preempted)
         inner = SchedulerOutput(out.decode, [c for c in out.prefill if c not in whole], [])
@@ -145,6 +166,8 @@ class LLMEngine:
             log.exception("engine step failed")
             return failed + [self._fail(c.seq, f"{type(exc).__name__}: {exc}")
                              for c in inner.chunks]
+        if self.prefix is not None:     # before postprocess frees the blocks of finished ones
+            self.prefix.end(inner.prefill)
         if whole:   # sampled rows in out.chunks order: decode, then prefill chunks
             ext = {id(c): c.logits for c in whole if not c.seq.finished}
             rows, it = [], iter(logits if logits is not None else [])
@@ -200,6 +223,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
+        if self.prefix is not None:
+            self.prefix.forget(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
 

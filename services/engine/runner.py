@@ -9,6 +9,8 @@ sequence mixers are the only per-sequence part:
              step over state slots     starting from the chunk's slot state
 
 Returns the logits of the rows that sample (decode rows and chunks ending their sequence).
+Prefill chunks marked `capture` also get the FA output hiddens of the `keep_hidden` layers
+(the prefix cache's Tail-Replay groups); decode rows are never copied.
 """
 from __future__ import annotations
 
@@ -70,10 +72,12 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None):
+    def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
+                 keep_hidden: tuple[int, ...] = ()):
         self.model = model
         self.cache = cache
         self.attn = get_backend(attention_backend, model.device)
+        self.keep_hidden = frozenset(keep_hidden)   # layers whose output capturing chunks keep
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
@@ -81,6 +85,7 @@ class ModelRunner:
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.cache.reset_slot(c.seq.state_slot)
+        keep = [(row, n, c) for (row, n, _, _), c in zip(st.prefill, out.prefill) if c.capture]
         x, h = self.model.embed(st.ids), None
         for l, layer in enumerate(self.model.model.layers):
             if layer.kind == FULL_ATTENTION:
@@ -88,6 +93,9 @@ class ModelRunner:
             else:
                 h = self._gated_deltanet(l, x, st)
             x = self.model.mlp(l, h)
+            if keep and l in self.keep_hidden:
+                for row, n, c in keep:
+                    c.hidden.append(x[row:row + n].clone())
         return self.model.final(x[st.sample_rows]).float()
 
     def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors,

@@ -5,11 +5,20 @@ in `max_num_batched_tokens` (a long prompt is prefilled in chunks of `max_prefil
 across steps, so decodes never stall behind it). Blocks and state slots are taken here, at
 schedule time; when a decode row cannot get a block, the newest running sequence is
 preempted (its blocks and slot are freed and it is recomputed later).
+
+With a prefix cache, admission asks `cached_tokens(seq)` how many leading tokens the engine
+will restore from the cache (at most n − 1). Their blocks are taken with the first chunk's,
+`num_computed` starts there, and the chunk carries `cached` so the engine writes those rows
+before the step runs:
+
+    prompt    | cached: restored by the engine | first chunk | later chunks ...
+    blocks    taken at admission ............................ | taken as chunks go
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.sequence import Sequence, Status
@@ -22,6 +31,10 @@ class ScheduledChunk:
     length: int      # tokens computed this step
     sample: bool     # the chunk reaches the sequence's end: sample a token from its last row
     logits: object = None   # set by an out-of-band (prefill service) prefill
+    cached: int = 0         # first chunk after admission: rows [0, cached) come from the
+                            # prefix cache (start == cached); 0 otherwise
+    capture: bool = False   # keep this chunk's FA output hiddens (set by the engine)
+    hidden: list = field(default_factory=list)  # [G] of [length, H], filled by the runner
 
 
 @dataclass
@@ -41,8 +54,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, slots: SlotPool | None, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_prefill_chunk: int):
+                 max_num_batched_tokens: int, max_prefill_chunk: int,
+                 cached_tokens: Callable[[Sequence], int] | None = None):
         self.blocks = blocks
+        self.cached_tokens = cached_tokens   # prefix-cache hook, see the module docstring
         self.slots = slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,15 +154,19 @@ class Scheduler:
                 out.prefill.append(ScheduledChunk(seq, 0, seq.num_tokens, True))
                 budget = 0
                 break
-            n = min(seq.num_uncomputed, self.max_prefill_chunk, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
+            cached = self.cached_tokens(seq) if self.cached_tokens is not None else 0
+            n = min(seq.num_uncomputed - cached, self.max_prefill_chunk, budget)
+            if not self.blocks.can_allocate(self.blocks.blocks_for(cached + n)):
                 break
             self.waiting.popleft()
             if self.slots is not None:
                 seq.state_slot = self.slots.allocate()
             seq.status = Status.RUNNING
             self.running.append(seq)
+            self.blocks.grow(seq.block_table, cached)
+            seq.num_computed = cached
             chunk = self._take_chunk(seq, budget)
+            chunk.cached = cached
             out.prefill.append(chunk)
             budget -= chunk.length
         return out

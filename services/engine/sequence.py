@@ -25,10 +25,15 @@ class GenerationParams:
     ignore_eos: bool = False
     return_logits: bool = False     # keep each sampled position's logits (tests, evals)
     prefill: object | None = None   # FillSettings: the prefill service prefills the prompt
+    replay_ratio: float | None = None  # Tail-Replay r on a prefix-cache hit (None: the engine's)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise RequestError("max_tokens", self.max_tokens, "must be a positive integer")
+        r = self.replay_ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float))
+                              or not 0.0 <= r <= 1.0):
+            raise RequestError("replay_ratio", r, "must be a number in [0, 1]")
 
 
 class Status(enum.Enum):

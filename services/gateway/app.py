@@ -27,14 +27,15 @@ from services.gateway.protocol import (APIError, ChatCompletionRequest, Completi
 
 class Gateway:
     def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int,
-                 default_temperature: float = 1.0, prefill_service=None):
+                 default_temperature: float = 1.0, prefill_service=None,
+                 metrics: GatewayMetrics | None = None):
         self.backend = backend
         self.prefill_service = prefill_service
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics or GatewayMetrics()
 
     # ---- request -> engine ----------------------------------------------------------
     def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
@@ -53,7 +54,8 @@ class Gateway:
                                       top_p=req.top_p, seed=req.seed)
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos,
-                                    prefill=self.prefill_settings(req, prompt_len))
+                                    prefill=self.prefill_settings(req, prompt_len),
+                                    replay_ratio=req.replay_ratio)
         except (SamplingError, RequestError) as exc:
             raise APIError(400, str(exc)) from exc
 

@@ -43,6 +43,9 @@ class _Common(BaseModel):
     # ({split, tail, fill, selector, budget, value_rescale, terminal_correction, seed})
     prefill_mode: str | None = None
     ridgefill: dict | None = None
+    # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states
+    # (None: the server's --replay-ratio; 0: zero-only)
+    replay_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -81,11 +81,20 @@ class Hit:
         """[F, 2, m, KV, D]"""
         return torch.cat([b.kv[:, :, :rows] for b, rows in self._parts], dim=2)
 
-    def hidden(self) -> torch.Tensor | None:
-        """[G, m, H], or None when the blocks carry no hiddens (dense models)."""
+    def hidden(self, start: int = 0) -> torch.Tensor | None:
+        """[G, m − start, H]: rows [start, m), or None when the blocks carry no hiddens
+        (dense models). A replay reads only its tail, so only the tail is copied."""
         if any(b.hidden is None for b, _ in self._parts):
             return None
-        return torch.cat([b.hidden[:, :rows] for b, rows in self._parts], dim=1)
+        pieces, first = [], 0
+        for b, rows in self._parts:
+            lo = max(0, start - first)
+            if lo < rows:
+                pieces.append(b.hidden[:, lo:rows])
+            first += rows
+        if not pieces:
+            return self._parts[0][0].hidden[:, :0].clone()
+        return torch.cat(pieces, dim=1)
 
     def provenance(self) -> torch.Tensor:
         """uint8 [m]: EXACT or FILLED per row."""
