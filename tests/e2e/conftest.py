@@ -1,6 +1,7 @@
 """A real uvicorn server on a free loopback port, serving SmolLM2 through the gateway."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -15,12 +16,12 @@ from services.gateway.server import build_embedded
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
 
 
-@pytest.fixture(scope="session")
-def server():
+@contextlib.contextmanager
+def running(app):
+    """Serve `app` with uvicorn on a free loopback port; yields the base URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = build_embedded(ZOO, served_name="smollm2-135m")
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -32,7 +33,16 @@ def server():
                 break
         except httpx.HTTPError:
             time.sleep(0.2)
-    yield base, app.state.gateway
-    srv.should_exit = True
-    thread.join(timeout=10)
-    app.state.gateway.backend.shutdown()
+    try:
+        yield base
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        app.state.gateway.backend.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server():
+    app = build_embedded(ZOO, served_name="smollm2-135m")
+    with running(app) as base:
+        yield base, app.state.gateway

@@ -1,0 +1,77 @@
+"""RidgeFill through the gateway: per-request `prefill_mode` / `ridgefill`, 400s, metrics."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from evals.corpus import documents
+from services.common.tokenizer import load_tokenizer
+from services.gateway.server import build_embedded
+from services.prefill.maps import CalibConfig, calibrate
+from services.prefill.service import PrefillConfig
+from tests.e2e.conftest import ZOO, running
+
+MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def rf_server(tmp_path_factory):
+    from models import load_model
+
+    maps = tmp_path_factory.mktemp("maps")
+    tok = load_tokenizer(ZOO)
+    docs = (tok(d.text, add_special_tokens=False)["input_ids"] for d in documents("calib")[:5])
+    calibrate(load_model(ZOO), docs, CalibConfig(splits=(15,), max_len=256, heldout_docs=1),
+              maps, log=lambda *_: None)
+    app = build_embedded(ZOO, served_name=MODEL,
+                         prefill=PrefillConfig(maps_dir=str(maps), split=15, tail=32))
+    with running(app) as base:
+        yield base, app.state.gateway
+
+
+def complete(base, prompt, **extra):
+    return httpx.post(base + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra})
+
+
+PROMPT = " ".join(documents("eval")[0].text.split()[:200]) + "\nIn short,"
+
+
+def counter(base, name):
+    lines = httpx.get(base + "/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
+
+
+def test_ridgefill_request_fills_rows_and_answers(rf_server):
+    base, gateway = rf_server
+    filled0 = counter(base, "splitstack_ridgefill_filled_rows_total")
+    exact0 = counter(base, "splitstack_ridgefill_exact_rows_total")
+    resp = complete(base, PROMPT, prefill_mode="ridgefill")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"]
+    n = resp.json()["usage"]["prompt_tokens"]
+    assert counter(base, "splitstack_ridgefill_filled_rows_total") - filled0 == n - 32
+    assert counter(base, "splitstack_ridgefill_exact_rows_total") - exact0 == 32
+    eng = gateway.backend.engine
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_disabled_fill_equals_exact_mode(rf_server):
+    base, _ = rf_server
+    exact = complete(base, PROMPT).json()["choices"][0]["text"]
+    off = complete(base, PROMPT, prefill_mode="ridgefill", ridgefill={"tail": 100000})
+    assert off.status_code == 200 and off.json()["choices"][0]["text"] == exact
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"prefill_mode": "ridgefill", "ridgefill": {"split": 0}}, "split"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"selector": "psychic"}}, "selector"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"budget": 2}}, "budget"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"split": 3}}, "no maps for split 3"),
+    ({"prefill_mode": "fast"}, "prefill_mode"),
+])
+def test_bad_ridgefill_settings_are_400(rf_server, extra, needle):
+    base, gateway = rf_server
+    resp = complete(base, PROMPT, **extra)
+    assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
+    assert not gateway.backend.engine.has_unfinished()
