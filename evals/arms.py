@@ -25,6 +25,8 @@ def register_arm(name: str):
 
 
 def make_arm(name: str, model: CausalLM, **options) -> "Arm":
+    import evals.ridgefill_arms  # noqa: F401  (the built-in arms register on import)
+    import evals.tailreplay_arms  # noqa: F401
     if name not in ARMS:
         raise ValueError(f"unknown arm {name!r}; registered: {sorted(ARMS)}")
     return ARMS[name](model, **options)

@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 
 from evals import arms as arms_mod
-from evals import ridgefill_arms  # noqa: F401  (registers the RidgeFill arms)
 from evals.corpus import SOURCE_NAME, documents, haystack_text
 from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
                            paired_difference, token_losses)
@@ -137,7 +136,7 @@ PAIRED_METRICS = ("loss", "new_token_loss", "key_token_loss", "retrieval", "retr
 def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings) -> dict:
     summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
                "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
-    summary["paired_vs_identity"] = {}
+    summary["paired_vs_identity"], summary["paired_vs_zero-only"] = {}, {}
     for name, res in results.items():
         arm_sum = summary["arms"][name] = {}
         for metric, groups in res.values.items():
@@ -148,7 +147,7 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
             mean, lo, hi = bootstrap_ci(groups, cfg.resamples, cfg.seed)   # within-group
             arm_sum[metric]["all"] = {"mean": mean, "ci": [lo, hi],
                                       "n": sum(len(v) for v in groups.values())}
-        for ref in ("exact", "identity"):
+        for ref in ("exact", "identity", "zero-only"):
             if name == ref or ref not in results:
                 continue
             ex = results[ref].values
@@ -197,7 +196,7 @@ def markdown_table(summary: dict) -> str:
                 lines.append(f"| {metric} | {group} | {fmt(s['mean'])} | "
                              f"[{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | {s['n']} |")
         lines.append("")
-    for ref in ("exact", "identity"):
+    for ref in ("exact", "identity", "zero-only"):
         for name, metrics in summary.get(f"paired_vs_{ref}", {}).items():
             lines.append(f"### `{name}` − `{ref}` (paired)\n")
             lines.append("| metric | mean | 95% CI |\n|---|---|---|")

@@ -167,28 +167,35 @@ def prompt_rows(model: CausalLM, ids: torch.Tensor) -> tuple[torch.Tensor, torch
 
 @torch.inference_mode()
 def continue_prefill(model: CausalLM, ids: torch.Tensor, kv: torch.Tensor,
-                     states: GDNStates | None) -> torch.Tensor:
+                     states: GDNStates | None, *, return_cache: bool = False):
     """Reference suffix prefill after a hit: ids [N] whose first m rows are cached as
-    kv [F, 2, m, KV, D] (and, for hybrids, `states` at row m−1) -> logits [N − m, vocab]."""
+    kv [F, 2, m, KV, D] (and, for hybrids, `states` at row m−1) -> logits [N − m, vocab].
+    With `return_cache`, also ({FA layer: (k [N, KV, D], v)}, states after row N−1)."""
     backend = get_backend(None, model.device)
     m = kv.shape[2]
     ids = ids.to(model.device)
     positions = torch.arange(m, len(ids), device=model.device)
     index = {l: i for i, l in enumerate(model.config.linear_attention_layers)}
     fa = {l: i for i, l in enumerate(model.config.full_attention_layers)}
+    out = GDNStates(states.conv.clone(), states.recurrent.clone()) if states is not None \
+        else None
+    cache = {}
     x, h = model.embed(ids[m:]), None
     for l, layer in enumerate(model.model.layers):
         if layer.kind == FULL_ATTENTION:
             a = model.attn_inputs(l, x, positions, u=h)
             k = torch.cat([kv[fa[l], 0].to(a.k), a.k])
             v = torch.cat([kv[fa[l], 1].to(a.v), a.v])
+            cache[l] = (k, v)
             o, _ = backend.attention_lse(a.q[None], k[None], v[None], causal=True)
             h = model.attn_output(l, x, o[0], a.gate)
         else:
             i = index[l]
             inp = model.gdn_inputs(l, x)
-            o, _, _ = model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)),
-                                    states.conv[i][None], states.recurrent[i][None])
+            o, conv, rec = model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)),
+                                         states.conv[i][None], states.recurrent[i][None])
+            out.conv[i], out.recurrent[i] = conv[0], rec[0]
             h = model.gdn_output(l, x, o[0], inp.z)
         x = model.mlp(l, h)
-    return model.final(x).float()
+    logits = model.final(x).float()
+    return (logits, cache, out) if return_cache else logits
