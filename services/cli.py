@@ -150,17 +150,26 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_derive(args: argparse.Namespace) -> int:
-    from models.zoo import derive
+    from models.zoo import derive, derive_hybrid
 
     torch.set_num_threads(args.threads)
+    out = args.out or f"models/zoo/smollm2-{args.what.removeprefix('apply-')}"
+    opts = {k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len),
+                              ("rank", args.rank)) if v is not None}
+    log = lambda m: print(m, file=sys.stderr, flush=True)
     if args.what == "qknorm":
-        recipe = derive.derive_qknorm(args.parent, args.out, steps=args.steps,
-                                      seq_len=args.seq_len, rank=args.rank, seed=args.seed,
-                                      needle_frac=args.needle_frac,
-                                      log=lambda m: print(m, file=sys.stderr, flush=True))
+        recipe = derive.derive_qknorm(args.parent, out, seed=args.seed,
+                                      needle_frac=args.needle_frac, log=log, **opts)
         print(json.dumps(recipe, indent=2))
+    elif args.what == "hybrid":
+        if args.layerwise_steps is not None:
+            opts["layerwise_steps"] = args.layerwise_steps
+        recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log, **opts)
+        print(json.dumps(recipe, indent=2))
+    elif args.what == "apply-hybrid":
+        print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out)}")
     else:
-        print(f"rebuilt {derive.apply_qknorm(args.parent, args.out)}")
+        print(f"rebuilt {derive.apply_qknorm(args.parent, out)}")
     return 0
 
 
@@ -267,14 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     der = sub.add_parser("derive", help="derive a checkpoint from SmolLM2 (see models/zoo)")
-    der.add_argument("what", choices=["qknorm", "apply-qknorm"],
-                     help="qknorm: calibrate + distil and store the delta; "
-                          "apply-qknorm: rebuild the checkpoint from the stored delta")
+    der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid"],
+                     help="qknorm / hybrid: calibrate + distil and store the delta; "
+                          "apply-*: rebuild the checkpoint from the stored delta")
     der.add_argument("--parent", default="models/zoo/smollm2-135m")
-    der.add_argument("--out", default="models/zoo/smollm2-qknorm")
-    der.add_argument("--steps", type=int, default=120)
-    der.add_argument("--seq-len", type=int, default=384)
-    der.add_argument("--rank", type=int, default=16)
+    der.add_argument("--out", help="default: models/zoo/smollm2-{qknorm,hybrid}")
+    der.add_argument("--steps", type=int, help="KL distillation steps (default: the recipe's)")
+    der.add_argument("--layerwise-steps", type=int, help="hybrid: layer-wise distillation steps")
+    der.add_argument("--seq-len", type=int)
+    der.add_argument("--rank", type=int, help="LoRA rank")
     der.add_argument("--seed", type=int, default=0)
     der.add_argument("--needle-frac", type=float, default=0.0,
                      help="share of distillation batches that are retrieval items")

@@ -1,0 +1,229 @@
+"""`smollm2-hybrid`: a Qwen3.5 text checkpoint (3 Gated DeltaNet : 1 full attention) from SmolLM2.
+
+The layout, weight conversion and calibrated init live in `hybrid_init`. Here:
+1. distil layer-wise: every token mixer regresses the parent's mixer output (relative MSE) on
+   the parent's own hidden states, so the 30 layers train in parallel from one teacher pass;
+2. distil on logits: per-token KL(parent ‖ child) through the whole child;
+3. store what the parent cannot regenerate (`encode_delta`): LoRA factors (fp16) on the
+   GDN in_proj_qkv / out_proj, in_proj_z as int8 with per-row scales, the attention q/k
+   projections (ballast rows refitted, gate rows trained) in fp16, the small tensors in fp32;
+   `apply_hybrid` rebuilds the checkpoint from the parent and the delta.
+
+Trainable: everything the conversion created or changed (GDN tensors, attention q/k
+projections and norms); embeddings, MLPs, layer norms, v/o projections stay frozen.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from models.config import FULL_ATTENTION, ModelConfig
+from models.loader import load_model, read_state_dict
+from models.model import CausalLM
+from models.zoo.derive import DELTA_DIR, LoraLinear
+from models.zoo.hybrid_init import base_state, calibrate, hybrid_config, mixer, train_logits
+
+DELTA = DELTA_DIR / "smollm2-hybrid.safetensors"
+_COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+           "chat_template.jinja")
+
+
+def build_child(cfg_dict: dict, state: dict[str, torch.Tensor]) -> CausalLM:
+    with torch.device("meta"):
+        child = CausalLM(ModelConfig.from_hf(cfg_dict))
+    child.load_state_dict(state, assign=True, strict=True)
+    child.rotary.inv_freq = child.rotary.inv_freq.to("cpu")
+    return child.eval()
+
+
+def attach_trainables(child: CausalLM, rank: int, seed: int) -> list:
+    """Freeze the child, then open what the conversion made: LoRA on the GDN projections
+    taken from the parent, every other GDN tensor, and the attention q/k projections and
+    norms."""
+    child.requires_grad_(False)
+    params = []
+    for l, layer in enumerate(child.model.layers):
+        if layer.kind == FULL_ATTENTION:
+            a = layer.self_attn
+            params += [p.requires_grad_(True) for p in (a.q_proj.weight, a.k_proj.weight,
+                                                         a.q_norm.weight, a.k_norm.weight)]
+            continue
+        g = layer.linear_attn
+        for i, name in enumerate(("in_proj_qkv", "out_proj")):
+            lora = LoraLinear(getattr(g, name), rank, seed + 2 * l + i)
+            setattr(g, name, lora)
+            params += [lora.A, lora.B]
+        params += [p.requires_grad_(True) for p in (
+            g.in_proj_z.weight, g.in_proj_a.weight, g.in_proj_b.weight, g.conv1d.weight,
+            g.A_log, g.dt_bias, g.norm.weight)]
+    return params
+
+
+def encode_delta(child: CausalLM) -> dict[str, torch.Tensor]:
+    delta = {}
+    for name, module in child.named_modules():
+        if isinstance(module, LoraLinear):
+            delta[name + ".lora_A"] = module.A.detach().half()
+            delta[name + ".lora_B"] = module.B.detach().half()
+    for name, p in child.named_parameters():
+        if not p.requires_grad or name.endswith((".A", ".B")):
+            continue
+        p = p.detach()
+        if name.endswith("in_proj_z.weight"):                   # int8, per-row scales
+            scale = p.abs().amax(1).clamp_min(1e-12) / 127.0
+            delta[name + ".q8"] = (p / scale[:, None]).round().to(torch.int8)
+            delta[name + ".scale"] = scale
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            delta[name] = p.half()
+        else:
+            delta[name] = p.clone()
+    return delta
+
+
+def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
+                 delta_path: str | Path | None = None) -> Path:
+    """Rebuild the full smollm2-hybrid checkpoint from the parent and the stored delta."""
+    parent_dir, out_dir = Path(parent_dir), Path(out_dir)
+    cfg_dict = hybrid_config(parent_dir)
+    delta = load_file(str(delta_path or DELTA))
+    state = base_state(read_state_dict(parent_dir, torch.float32),
+                       ModelConfig.from_hf(cfg_dict))
+    for key, value in delta.items():
+        if key.endswith(".lora_A"):
+            base = key[: -len(".lora_A")] + ".weight"
+            state[base] = state[base] + delta[key[:-1] + "B"].float() @ value.float()
+        elif key.endswith(".q8"):
+            state[key[:-3]] = value.float() * delta[key[:-3] + ".scale"][:, None]
+        elif not key.endswith((".lora_B", ".scale")):
+            state[key] = value.float()
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in sorted(state.items())},
+              str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    for name in _COPIED:
+        if (parent_dir / name).exists():
+            shutil.copy(parent_dir / name, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+@torch.no_grad()
+def heldout(parent: CausalLM, child: CausalLM, windows: list[torch.Tensor]) -> dict:
+    """Per-token loss of both models and KL(parent ‖ child) on held-out windows."""
+    lp = lc = kl = 0.0
+    for ids in windows:
+        tp = torch.log_softmax(parent.forward(ids)[0], -1)
+        tc = torch.log_softmax(child.forward(ids)[0], -1)
+        lp += F.nll_loss(tp[:-1], ids[0, 1:]).item()
+        lc += F.nll_loss(tc[:-1], ids[0, 1:]).item()
+        kl += (tp.exp() * (tp - tc)).sum(-1).mean().item()
+    n = len(windows)
+    return {"parent_loss": lp / n, "child_loss": lc / n, "kl": kl / n}
+
+
+def heldout_windows(tok, n: int = 4, seq_len: int = 512) -> list[torch.Tensor]:
+    from evals.corpus import documents
+
+    out = []
+    for doc in documents("eval"):
+        ids = tok(doc.text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= seq_len:
+            out.append(torch.tensor([ids[:seq_len]]))
+        if len(out) == n:
+            break
+    return out
+
+
+def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
+    for group in opt.param_groups:
+        group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_steps: int = 100,
+                  steps: int = 60, seq_len: int = 512, rank: int = 48,
+                  lr: float = 2e-3, kl_lr: float = 5e-4, seed: int = 0, log=print) -> dict:
+    """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint."""
+    from evals.corpus import documents
+    from services.common.tokenizer import load_tokenizer
+
+    torch.manual_seed(seed)
+    parent_dir, out_dir = Path(parent_dir), Path(out_dir)
+    parent = load_model(parent_dir)
+    tok = load_tokenizer(parent_dir)
+    ids = torch.tensor(tok("\n\n".join(d.text for d in documents("calib")),
+                           add_special_tokens=False)["input_ids"])
+    n_windows = len(ids) // seq_len
+    windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
+    order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
+    batch = lambda i: windows[order[4 + i % (n_windows - 4)]][None]
+    start = time.perf_counter()
+    cfg_dict = hybrid_config(parent_dir)
+    cfg = ModelConfig.from_hf(cfg_dict)
+    init = calibrate(parent, cfg, [windows[order[i]][None] for i in range(4)])
+    child = build_child(cfg_dict, {**base_state(read_state_dict(parent_dir, torch.float32), cfg),
+                                   **init})
+    params = attach_trainables(child, rank, seed)
+    log(f"[hybrid] calibrated; {sum(p.numel() for p in params) / 1e6:.1f} M trainable "
+        f"({time.perf_counter() - start:.0f}s)")
+    pos = torch.arange(seq_len)[None]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    layer_err = []
+    for step in range(layerwise_steps):
+        trace = []
+        with torch.no_grad():
+            train_logits(parent, batch(step), trace)
+        errs = [(mixer(child, l, x, pos) - m).pow(2).mean() / m.pow(2).mean()
+                for l, (x, m) in enumerate(trace)]
+        loss = torch.stack(errs).mean()
+        opt.zero_grad()
+        loss.backward()
+        _schedule(opt, lr, step, layerwise_steps)
+        opt.step()
+        layer_err.append(loss.item())
+        if step % 10 == 0 or step == layerwise_steps - 1:
+            log(f"[hybrid] layer-wise {step}: rel. MSE {loss.item():.4f} "
+                f"({time.perf_counter() - start:.0f}s)")
+    t_layerwise = time.perf_counter() - start
+    opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
+    kls = []
+    for step in range(steps):
+        b = batch(layerwise_steps + step)
+        with torch.no_grad():
+            teacher = torch.log_softmax(train_logits(parent, b), -1)
+        student = torch.log_softmax(train_logits(child, b), -1)
+        loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        _schedule(opt, kl_lr, step, steps)
+        opt.step()
+        kls.append(loss.item())
+        if step % 5 == 0 or step == steps - 1:
+            log(f"[hybrid] KL {step}: {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+    seconds = round(time.perf_counter() - start)
+    recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
+              "layer_types": cfg_dict["layer_types"], "layerwise_steps": layerwise_steps,
+              "steps": steps, "seq_len": seq_len, "rank": rank, "lr": lr,
+              "kl_lr": kl_lr, "seed": seed,
+              "data": "python-stdlib-docstrings (calib split)",
+              "layerwise_first": layer_err[0] if layer_err else None,
+              "layerwise_last10": sum(layer_err[-10:]) / max(1, len(layer_err[-10:])),
+              "kl_first": kls[0] if kls else None,
+              "kl_last10": sum(kls[-10:]) / max(1, len(kls[-10:])),
+              "seconds_layerwise": round(t_layerwise), "seconds": seconds}
+    DELTA_DIR.mkdir(exist_ok=True)
+    save_file(encode_delta(child), str(DELTA), metadata={"recipe": json.dumps(recipe)})
+    apply_hybrid(parent_dir, out_dir)
+    recipe["heldout"] = heldout(parent, load_model(out_dir), heldout_windows(tok))
+    recipe["delta_mb"] = round(DELTA.stat().st_size / 2 ** 20, 1)
+    log(f"[hybrid] held-out {recipe['heldout']}, delta {recipe['delta_mb']} MB")
+    return recipe
