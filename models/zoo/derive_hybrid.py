@@ -98,7 +98,8 @@ def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
     for key, value in delta.items():
         if key.endswith(".lora_A"):
             base = key[: -len(".lora_A")] + ".weight"
-            state[base] = state[base] + delta[key[:-1] + "B"].float() @ value.float()
+            # fp64 product: the merged weights do not depend on the BLAS's thread count
+            state[base] = state[base] + (delta[key[:-1] + "B"].double() @ value.double()).float()
         elif key.endswith(".q8"):
             state[key[:-3]] = value.float() * delta[key[:-3] + ".scale"][:, None]
         elif not key.endswith((".lora_B", ".scale")):
@@ -149,9 +150,9 @@ def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
         group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
 
 
-def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_steps: int = 100,
-                  steps: int = 60, seq_len: int = 512, rank: int = 48,
-                  lr: float = 2e-3, kl_lr: float = 5e-4, seed: int = 0, log=print) -> dict:
+def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_steps: int = 60,
+                  steps: int = 120, seq_len: int = 512, rank: int = 48,
+                  lr: float = 3e-3, kl_lr: float = 5e-4, seed: int = 0, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint."""
     from evals.corpus import documents
     from services.common.tokenizer import load_tokenizer
@@ -204,7 +205,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
         loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
         opt.zero_grad()
         loss.backward()
-        _schedule(opt, kl_lr, step, steps)
+        _schedule(opt, kl_lr, step, steps, warmup=5)
         opt.step()
         kls.append(loss.item())
         if step % 5 == 0 or step == steps - 1:
