@@ -44,6 +44,7 @@ class FillSettings:
     selector: str = "none"
     budget: float = 0.1          # share of prefix rows the selector computes exactly
     value_rescale: int = 0       # c: tail rows measuring the per-KV-head value scale (0: off)
+    key_rescale: bool = False    # also rescale filled keys' magnitude from the same c rows
     terminal_correction: bool = False
     seed: int = 0                # the random selector's seed
     splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
@@ -66,6 +67,8 @@ class FillSettings:
                             f"got {self.budget!r}")
         if not isinstance(self.value_rescale, int) or self.value_rescale < 0:
             raise FillError(f"value_rescale must be an integer ≥ 0, got {self.value_rescale!r}")
+        if self.key_rescale and not self.value_rescale:
+            raise FillError("key_rescale uses the value_rescale rows: set value_rescale = c > 0")
         if self.splice not in SPLICES:
             raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
         if not isinstance(self.sink_rows, int) or self.sink_rows < 0:
@@ -277,8 +280,11 @@ class RidgeFill:
                         xhat = self._fill_input(s, l, x_f)
                         kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
                         if rescale_rows is not None and l > s.split and rescale_rows.numel():
-                            vf = vf * self._value_scale(s, l, x_split, a.v, exact,
-                                                        rescale_rows)[None, :, None]
+                            ks, vs = self._norm_scales(s, l, x_split, a.k, a.v, exact,
+                                                       rescale_rows)
+                            vf = vf * vs[None, :, None]
+                            if s.key_rescale:
+                                kf = kf * ks[None, :, None]
                         if exact_kv is not None and "k" in s.splice:
                             kf = exact_kv[l][0][filled]
                         if exact_kv is not None and "v" in s.splice:
@@ -328,15 +334,19 @@ class RidgeFill:
         o_rows[order] = o
         return m.gdn_output(l, xe, o_rows[:exact.numel()], inp_e.z)
 
-    def _value_scale(self, s, l, x_split, v_exact_rows, exact, rows) -> torch.Tensor:
-        """Per KV head: mean over `rows` of ‖v_exact‖ / ‖v(x̂)‖ -> [KV]."""
+    def _norm_scales(self, s, l, x_split, k_exact_rows, v_exact_rows, exact, rows):
+        """Per KV head: mean over `rows` (the first c tail rows) of ‖k_exact‖ / ‖k(x̂)‖ and
+        ‖v_exact‖ / ‖v(x̂)‖ -> ([KV], [KV]). Rotary keeps norms, so rotated keys compare."""
         m = self.model
         idx = torch.searchsorted(exact, rows)
-        v_true = v_exact_rows[idx].float()
-        _, v_pred = m.attn_key_value(l, m.norm_in(l, self._fill_input(s, l, x_split[rows])),
-                                     rows)
-        ratio = v_true.norm(dim=-1) / v_pred.float().norm(dim=-1).clamp_min(1e-12)
-        return ratio.mean(0).to(v_exact_rows.dtype)
+        k_pred, v_pred = m.attn_key_value(
+            l, m.norm_in(l, self._fill_input(s, l, x_split[rows])), rows)
+
+        def ratio(true, pred):
+            r = true.float().norm(dim=-1) / pred.float().norm(dim=-1).clamp_min(1e-12)
+            return r.mean(0).to(true.dtype)
+
+        return ratio(k_exact_rows[idx], k_pred), ratio(v_exact_rows[idx], v_pred)
 
     # ---- selectors -------------------------------------------------------------------
     def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv) -> torch.Tensor:

@@ -19,8 +19,8 @@ from services.prefill.maps import MapsError, RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillError, FillSettings, PrefillResult, RidgeFill
 
 PREFILL_MODES = ("exact", "ridgefill")
-OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale",
-               "terminal_correction", "seed")
+OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "key_rescale",
+               "terminal_correction", "seed", "sink_rows")
 
 
 @dataclass(frozen=True)

@@ -304,3 +304,20 @@ def test_compute_share_bound():
     s = FillSettings(split=12, tail=4096)
     assert s.compute_share(32, 16384) == pytest.approx(12 / 32 + (20 / 32) * 4096 / 16384)
     assert dataclasses.replace(s, tail=20000).compute_share(32, 16384) == 1.0
+
+
+def test_rescale_multiplies_filled_rows_by_one_factor_per_kv_head(four_layer):
+    model, maps_dir = four_layer("qwen3")
+    ids = prompt(100, seed=11)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1))
+    base = rf.prefill(ids, FillSettings(split=1, tail=20))
+    both = rf.prefill(ids, FillSettings(split=1, tail=20, value_rescale=8, key_rescale=True))
+    only_v = rf.prefill(ids, FillSettings(split=1, tail=20, value_rescale=8))
+    for t, name in ((both.k[2], "k"), (both.v[2], "v")):      # layer 2: the first l > S
+        ref = base.k[2] if name == "k" else base.v[2]
+        ratio = t[:80].norm(dim=-1) / ref[:80].norm(dim=-1)     # [80, KV]
+        assert (ratio.std(0) < 1e-4).all() and ((ratio[0] - 1).abs() > 1e-3).any()
+        assert torch.equal(t[80:], ref[80:])                    # exact rows untouched
+    assert torch.equal(only_v.k[2], base.k[2])
+    with pytest.raises(FillError, match="key_rescale"):
+        FillSettings(split=1, tail=20, key_rescale=True).validate(4)
