@@ -50,11 +50,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
     tinv_rhs = torch.cat([v * beta[..., None], kb * gamma.exp().to(q.dtype)[..., None]], dim=-1)
     uw = torch.linalg.solve_triangular(eye + a, tinv_rhs, upper=False, unitriangular=True)
     u, w = uw[..., :dv], uw[..., dv:]
-    want = None
-    if out_rows is not None:
-        want = F.pad(out_rows, (0, pad)).view(n, c).any(-1).tolist()
-    qk = (q @ k.transpose(-1, -2)) * decay
-    q_decay = q * gamma.exp().to(q.dtype)[..., None]
+    # output terms only for the chunks whose output is wanted (slot[i]: chunk i's row in qk)
+    wanted = (torch.arange(n, device=q.device) if out_rows is None else
+              F.pad(out_rows, (0, pad)).view(n, c).any(-1).nonzero()[:, 0])
+    slot = dict(zip(wanted.tolist(), range(wanted.numel())))
+    want = None if out_rows is None else [i in slot for i in range(n)]
+    sel = (lambda x: x) if out_rows is None else (lambda x: x[:, :, wanted])  # noqa: E731
+    qk = (sel(q) @ sel(k).transpose(-1, -2)) * sel(decay)
+    q_decay = sel(q) * sel(gamma).exp().to(q.dtype)[..., None]
     k_decay = k * (gamma[..., -1:] - gamma).exp().to(q.dtype)[..., None]
     s = (q.new_zeros(b, h, dk, dv) if initial_state is None
          else initial_state.to(q.dtype).clone())
@@ -62,7 +65,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
     for i in range(n):
         vn = u[:, :, i] - w[:, :, i] @ s
         if want is None or want[i]:
-            out[:, :, i] = q_decay[:, :, i] @ s + qk[:, :, i] @ vn
+            j = slot[i]
+            out[:, :, i] = q_decay[:, :, j] @ s + qk[:, :, j] @ vn
         s = s * gamma[:, :, i, -1].exp().to(q.dtype)[..., None, None] + k_decay[:, :, i].transpose(-1, -2) @ vn
     out = out.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
     return out, s
