@@ -62,10 +62,11 @@ class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(),
                  eos_token_ids: tuple[int, ...] = (), prefill_service=None,
                  prefix_cache: PrefixCache | None = None, replay_ratio: float = 0.1,
-                 replay_overlap: bool = True, ffn_skip: bool = True):
+                 replay_overlap: bool | None = None, ffn_skip: bool = True):
         """`prefix_cache`: reuse cached prompt prefixes (Tail-Replay for hybrid models, with
         `replay_ratio` r unless a request sets its own, the KV write overlapping the replay
-        and the tail-FFN skip); None: every prompt is prefilled in full."""
+        (default: on CUDA only) and the tail-FFN skip); None: every prompt is prefilled in
+        full."""
         self.model = model
         self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
@@ -81,6 +82,10 @@ class LLMEngine:
         self.slots = SlotPool(config.max_num_seqs) if cfg.is_hybrid else None
         self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,
                                   model.dtype, model.device)
+        if replay_overlap is None:
+            # a side stream overlaps the KV copy on a GPU; on CPU the copy thread only takes
+            # cores from the replay (bench/tailreplay_ttft.py: overlap on is slower there)
+            replay_overlap = torch.device(model.device).type == "cuda"
         replay = TailReplayConfig(replay_ratio, replay_overlap, ffn_skip)
         self.prefix = (PrefixReuse(prefix_cache, model, self.cache, replay)
                        if prefix_cache is not None else None)
