@@ -87,12 +87,8 @@ class FillArm(Arm):
         L = model.config.num_hidden_layers
         split = split or L // 2
         settings = {"split": split, "tail": tail, "budget": budget, **self.base}
-        if settings.pop("longtail", False):
-            ratio = map_cost_ratio(model)
-            settings["tail"] = tail      # widened per prompt in `_settings`
-            self.longtail_ratio = ratio
-        else:
-            self.longtail_ratio = None
+        # no fill + longer tail: the tail is widened per prompt in `_settings`
+        self.longtail_ratio = map_cost_ratio(model) if settings.pop("longtail", False) else None
         self.settings = FillSettings(**settings)
         needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
         maps = RidgeMaps(maps_dir, model, split) if needs_maps else None

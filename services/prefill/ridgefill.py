@@ -17,7 +17,7 @@ logits are bitwise identical (tests/unit/test_ridgefill.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -436,9 +436,4 @@ def _attention_received(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) ->
     return torch.softmax(sc, dim=-1).nan_to_num(0.0).sum(dim=(0, 1, 2))
 
 
-def disabled_settings(num_layers: int) -> FillSettings:
-    return FillSettings(split=num_layers, tail=0)
-
-
-__all__ = ["FillError", "FillSettings", "PrefillResult", "RidgeFill", "FILLS", "SELECTORS",
-           "disabled_settings", "replace"]
+__all__ = ["FillError", "FillSettings", "PrefillResult", "RidgeFill", "FILLS", "SELECTORS"]
