@@ -145,11 +145,7 @@ class Scheduler:
                 if out.prefill or not self.blocks.can_allocate(
                         self.blocks.blocks_for(seq.num_uncomputed)):
                     break
-                self.waiting.popleft()
-                if self.slots is not None:
-                    seq.state_slot = self.slots.allocate()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._admit(seq)
                 self.blocks.grow(seq.block_table, seq.num_tokens)
                 out.prefill.append(ScheduledChunk(seq, 0, seq.num_tokens, True))
                 budget = 0
@@ -158,11 +154,7 @@ class Scheduler:
             n = min(seq.num_uncomputed - cached, self.max_prefill_chunk, budget)
             if not self.blocks.can_allocate(self.blocks.blocks_for(cached + n)):
                 break
-            self.waiting.popleft()
-            if self.slots is not None:
-                seq.state_slot = self.slots.allocate()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._admit(seq)
             self.blocks.grow(seq.block_table, cached)
             seq.num_computed = cached
             chunk = self._take_chunk(seq, budget)
@@ -170,6 +162,14 @@ class Scheduler:
             out.prefill.append(chunk)
             budget -= chunk.length
         return out
+
+    def _admit(self, seq: Sequence) -> None:
+        """The head of the queue starts running, with a state slot for hybrid models."""
+        self.waiting.popleft()
+        if self.slots is not None:
+            seq.state_slot = self.slots.allocate()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def _take_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         n = min(seq.num_uncomputed, self.max_prefill_chunk, budget)

@@ -3,17 +3,13 @@ cache (visible in /metrics) and answers exactly as the server without a cache do
 from __future__ import annotations
 
 import re
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from services.gateway.server import build_embedded
-from tests.e2e.conftest import ZOO
+from tests.e2e.conftest import ZOO, running
 from tests.e2e.test_gateway import MODEL, client, wait_idle
 
 DOCUMENT = "".join(f"Record {i}: the {c} {a} lives in room {100 + 7 * i}.\n"
@@ -23,25 +19,9 @@ DOCUMENT = "".join(f"Record {i}: the {c} {a} lives in room {100 + 7 * i}.\n"
 
 @pytest.fixture(scope="module")
 def cached_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     app = build_embedded(ZOO, served_name=MODEL, prefix_cache_bytes=256 << 20)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    yield base, app.state.gateway
-    srv.should_exit = True
-    thread.join(timeout=10)
-    app.state.gateway.backend.shutdown()
+    with running(app) as base:
+        yield base, app.state.gateway
 
 
 def scrape(base: str, name: str, labels: str) -> float:
