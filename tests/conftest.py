@@ -45,3 +45,16 @@ def tiny_checkpoint(tmp_path_factory, tiny_configs):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster on loopback for the whole test session (it is slow to start
+    on 2 cores); `ray.shutdown()` at the end ends only what this session started."""
+    import ray
+
+    from services.common.ray_deploy import init_ray
+
+    init_ray(num_cpus=2)
+    yield ray
+    ray.shutdown()

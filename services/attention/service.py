@@ -16,11 +16,15 @@ request), with standard wiring (DESIGN.md, "Q-First decode protocol"):
 
 Holds: Wq, Wo, the attention norms and output gate, the GDN conv / gates / norm / out_proj
 and every request's GDN states (in-process it shares the model object with the pool).
-A request that fails frees its blocks on every shard and its state slot; others continue.
+Scheduling: a request waits until its prompt fits on every shard (and a state slot is free);
+a running request that cannot get a block for its next position preempts the newest running
+request, which gives back everything and is recomputed from its tokens later. A request that
+fails frees its blocks on every shard and its state slot; the others continue.
 """
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +36,7 @@ from models.model import CausalLM
 from services.attention.shard import KVShard
 from services.common.transport import Transport
 from services.engine.block_manager import SlotPool
+from services.engine.engine import StepOutput
 from services.engine.sequence import GenerationParams, RequestError
 
 
@@ -73,68 +78,112 @@ class AttentionService:
                                     self.cfg.linear_conv_kernel_dim - 1, dtype=model.dtype)
             self.rec = torch.zeros(len(gdn), max_num_seqs, self.cfg.linear_num_value_heads,
                                    self.cfg.linear_key_head_dim, self.cfg.linear_value_head_dim)
-        self.requests: dict[int, Request] = {}
+        self.max_num_seqs = max_num_seqs
+        self.requests: dict[int, Request] = {}      # every request until popped
+        self.waiting: deque[Request] = deque()      # not admitted (or preempted): no KV held
         self._ids = itertools.count()
 
     # ---- request lifecycle -----------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: GenerationParams) -> int:
         if not prompt_ids:
             raise RequestError("prompt", prompt_ids, "must contain at least one token")
-        if len(prompt_ids) + params.max_tokens > self.cfg.max_position_embeddings:
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.cfg.max_position_embeddings:
             raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")
+        if any(s.blocks_needed(-1, total) > s.blocks.num_blocks for s in self.shards):
+            raise RequestError("max_tokens", params.max_tokens,
+                               "prompt + max_tokens exceeds this attention service's KV cache")
         req = Request(next(self._ids), list(prompt_ids), params)
         if params.sampling.seed is not None:
             req.generator = torch.Generator().manual_seed(params.sampling.seed)
-        if self.slots is not None:
-            req.state_slot = self.slots.allocate()
-            self.conv[:, req.state_slot].zero_()
-            self.rec[:, req.state_slot].zero_()
         self.requests[req.seq_id] = req
+        self.waiting.append(req)
         return req.seq_id
 
+    def abort(self, seq_id: int) -> None:
+        req = self.requests.get(seq_id)
+        if req is not None and req.finish_reason is None:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self.release(req, "abort")
+
     def release(self, req: Request, reason: str, error: str | None = None) -> None:
+        self._free(req)
+        req.finish_reason, req.error = reason, error
+
+    def _free(self, req: Request) -> None:
         for shard in self.shards:
             shard.free(req.seq_id)
         if req.state_slot is not None:
             self.slots.free(req.state_slot)
             req.state_slot = None
-        req.finish_reason, req.error = reason, error
 
     def running(self) -> list[Request]:
-        return [r for r in self.requests.values() if r.finish_reason is None]
+        return [r for r in self.requests.values()
+                if r.finish_reason is None and r not in self.waiting]
+
+    def has_unfinished(self) -> bool:
+        return any(r.finish_reason is None for r in self.requests.values())
+
+    def pop(self, seq_id: int) -> Request:
+        return self.requests.pop(seq_id)
+
+    @property
+    def kv_usage(self) -> float:
+        return max((s.blocks.usage for s in self.shards), default=0.0)
+
+    # ---- scheduling: admission and preemption -----------------------------------------
+    def _reserve(self, req: Request, length: int) -> bool:
+        """Room on every shard for positions < `length`, or nothing taken at all."""
+        need = [s.blocks_needed(req.seq_id, length) for s in self.shards]
+        if not all(s.blocks.can_allocate(n) for s, n in zip(self.shards, need)):
+            return False
+        for s in self.shards:
+            s.reserve(req.seq_id, length)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Give back `req`'s blocks and state; it is recomputed from its tokens later."""
+        self._free(req)
+        req.num_cached = 0
+        self.waiting.appendleft(req)
+
+    def _schedule(self) -> None:
+        running = self.running()
+        for r in running:        # oldest first: each needs room for its next position
+            while r.finish_reason is None and r not in self.waiting \
+                    and not self._reserve(r, len(r.tokens)):
+                victim = [x for x in running if x not in self.waiting][-1]
+                self._preempt(victim)
+        while self.waiting and len(self.running()) < self.max_num_seqs:
+            req = self.waiting[0]
+            if (self.slots is not None and not self.slots.num_free) \
+                    or not self._reserve(req, len(req.tokens)):
+                break
+            self.waiting.popleft()
+            if self.slots is not None:
+                req.state_slot = self.slots.allocate()
+                self.conv[:, req.state_slot].zero_()
+                self.rec[:, req.state_slot].zero_()
 
     # ---- one step over rows ------------------------------------------------------------
-    @torch.inference_mode()
-    def step(self) -> None:
+    def step(self) -> list[StepOutput]:
+        """Admit what fits, then run one batched step: the prompts of newly admitted
+        requests, or one decode row per running request. A failure (every pool replica
+        down, say) fails the requests of this step only and frees their KV."""
+        self._schedule()
         new = [r for r in self.running() if r.num_cached == 0]
         batch = new if new else self.running()
         if not batch:
-            return
-        decode = not new
-        seq_ids, positions, ids = [], [], []
-        for r in batch:
-            span = range(r.num_cached, len(r.tokens))
-            seq_ids += [r.seq_id] * len(span)
-            positions += list(span)
-            ids += r.tokens[r.num_cached:]
-        pos = torch.tensor(positions)
-        for r in batch:
-            for shard in self.shards:
-                shard.reserve(r.seq_id, len(r.tokens))
-        pending = self.pool.submit("stage", 0, torch.tensor(ids), pos)
-        u = None                     # what `pending` was computed from: layer l−1's MLP input
-        for l in range(self.cfg.num_hidden_layers):
-            if self.model.layer(l).kind == FULL_ATTENTION:
-                u = self._full_attention(l, pending, seq_ids, pos, decode, u)
-            else:
-                u = self._gated_deltanet(l, pending.result(), batch, decode)
-            if l + 1 < self.cfg.num_hidden_layers:
-                pending = self.pool.submit("stage", l + 1, u, pos)
-        last = torch.tensor([i for i, s in enumerate(seq_ids)
-                             if i + 1 == len(seq_ids) or seq_ids[i + 1] != s])
-        tokens, _, logits = self.pool.call("final", u[last],
-                                           [r.params.sampling for r in batch],
-                                           [r.generator for r in batch])
+            return []
+        try:
+            tokens, logprobs, logits = self._run(batch, decode=not new)
+        except Exception as exc:  # noqa: BLE001 — reported on each request of the step
+            error = f"{type(exc).__name__}: {exc}"
+            for r in batch:
+                self.release(r, "error", error)
+            return [StepOutput(r.seq_id, None, None, True, "error", error) for r in batch]
+        outputs = []
         for i, r in enumerate(batch):
             r.num_cached = len(r.tokens)
             tok = int(tokens[i])
@@ -146,6 +195,32 @@ class AttentionService:
                 self.release(r, "stop")
             elif len(r.output_ids) >= r.params.max_tokens:
                 self.release(r, "length")
+            outputs.append(StepOutput(r.seq_id, tok, float(logprobs[i]),
+                                      r.finish_reason is not None, r.finish_reason))
+        return outputs
+
+    @torch.inference_mode()
+    def _run(self, batch: list[Request], decode: bool):
+        seq_ids, positions, ids = [], [], []
+        for r in batch:
+            span = range(r.num_cached, len(r.tokens))
+            seq_ids += [r.seq_id] * len(span)
+            positions += list(span)
+            ids += r.tokens[r.num_cached:]
+        pos = torch.tensor(positions)
+        pending = self.pool.submit("stage", 0, torch.tensor(ids), pos)
+        u = None                     # what `pending` was computed from: layer l−1's MLP input
+        for l in range(self.cfg.num_hidden_layers):
+            if self.model.layer(l).kind == FULL_ATTENTION:
+                u = self._full_attention(l, pending, seq_ids, pos, decode, u)
+            else:
+                u = self._gated_deltanet(l, pending.result(), batch, decode)
+            if l + 1 < self.cfg.num_hidden_layers:
+                pending = self.pool.submit("stage", l + 1, u, pos)
+        last = torch.tensor([i for i, s in enumerate(seq_ids)
+                             if i + 1 == len(seq_ids) or seq_ids[i + 1] != s])
+        return self.pool.call("final", u[last], [r.params.sampling for r in batch],
+                              [r.generator for r in batch])
 
     def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model
@@ -195,6 +270,6 @@ class AttentionService:
     # ---- convenience -------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: GenerationParams) -> list[Request]:
         ids = [self.add_request(p, params) for p in prompts]
-        while self.running():
+        while self.has_unfinished():
             self.step()
         return [self.requests.pop(i) for i in ids]

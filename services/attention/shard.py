@@ -38,13 +38,18 @@ class KVShard:
         local_block = (positions // self.block_size) // self.num_shards
         return local_block * self.block_size + positions % self.block_size
 
-    def reserve(self, seq_id: int, length: int) -> None:
-        """Make room for every owned position < `length` of `seq_id`."""
-        table = self.tables.setdefault(seq_id, [])
+    def blocks_needed(self, seq_id: int, length: int) -> int:
+        """More blocks `seq_id` needs here to hold its owned positions < `length`."""
         abs_blocks = -(-length // self.block_size)
         owned = len(range(self.index, abs_blocks, self.num_shards))
-        if owned > len(table):
-            table.extend(self.blocks.allocate(owned - len(table)))
+        return max(0, owned - len(self.tables.get(seq_id, ())))
+
+    def reserve(self, seq_id: int, length: int) -> None:
+        """Make room for every owned position < `length` of `seq_id`."""
+        need = self.blocks_needed(seq_id, length)
+        table = self.tables.setdefault(seq_id, [])
+        if need:
+            table.extend(self.blocks.allocate(need))
 
     def free(self, seq_id: int) -> None:
         self.blocks.free(self.tables.pop(seq_id, []))

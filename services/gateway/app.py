@@ -19,14 +19,17 @@ from prometheus_client import generate_latest
 
 from kernels.sampling import SamplingError, SamplingParams
 from services.engine import GenerationParams, RequestError
-from services.gateway.backend import EngineBackend
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        _Common)
 
 
 class Gateway:
-    def __init__(self, backend: EngineBackend, tokenizer, model_name: str, max_model_len: int,
+    """`backend`: an `EngineBackend` (embedded engine) or a `ClusterBackend` (attention
+    services over gRPC); both offer submit / abort / healthy / kv_usage / num_running /
+    refresh."""
+
+    def __init__(self, backend, tokenizer, model_name: str, max_model_len: int,
                  default_temperature: float = 1.0, prefill_service=None,
                  metrics: GatewayMetrics | None = None):
         self.backend = backend
@@ -124,8 +127,8 @@ class Gateway:
             if not finished:
                 self.backend.abort(seq_id)
                 self.metrics.requests.labels("abort").inc()
-            self.metrics.kv_usage.set(self.backend.engine.blocks.usage)
-            self.metrics.running.set(len(self.backend.streams))
+            self.metrics.kv_usage.set(self.backend.kv_usage())
+            self.metrics.running.set(self.backend.num_running())
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -148,13 +151,14 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = gateway.backend.thread.is_alive()
-        return JSONResponse({"status": "ok" if alive else "engine thread stopped"},
+        alive = gateway.backend.healthy()
+        return JSONResponse({"status": "ok" if alive else "no engine is serving"},
                             status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics():
-        gateway.metrics.kv_usage.set(gateway.backend.engine.blocks.usage)
+        await gateway.backend.refresh()
+        gateway.metrics.kv_usage.set(gateway.backend.kv_usage())
         return Response(generate_latest(gateway.metrics.registry),
                         media_type="text/plain; version=0.0.4")
 

@@ -50,6 +50,18 @@ class EngineBackend:
     def abort(self, seq_id: int) -> None:
         self.commands.put(("abort", seq_id))
 
+    def healthy(self) -> bool:
+        return self.thread.is_alive()
+
+    def kv_usage(self) -> float:
+        return self.engine.blocks.usage
+
+    def num_running(self) -> int:
+        return len(self.streams)
+
+    async def refresh(self) -> None:
+        """Nothing to poll: the engine is in this process."""
+
     def shutdown(self) -> None:
         self._stop.set()
         self.commands.put(("noop", None))

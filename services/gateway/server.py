@@ -54,3 +54,20 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     if service is not None:
         service.metrics = PrefillMetrics(gateway.metrics.registry)
     return build_app(gateway)
+
+
+def build_cluster(config, address: str | None = None, served_name: str | None = None,
+                  num_cpus: int | None = None):
+    """The disaggregated deployment: start (or join) Ray, place the pool replicas and the
+    attention services (`services.common.ray_deploy`), and put the gateway in front of the
+    attention services. Returns (app, cluster)."""
+    from services.common.ray_deploy import deploy, init_ray
+    from services.gateway.cluster_backend import ClusterBackend
+
+    model_dir = Path(config.model)
+    init_ray(address, num_cpus=num_cpus)
+    cluster = deploy(config)
+    gateway = Gateway(ClusterBackend(cluster.attention_addresses), load_tokenizer(model_dir),
+                      served_name or model_dir.name, cluster.max_model_len,
+                      default_temperature(model_dir), metrics=GatewayMetrics())
+    return build_app(gateway), cluster

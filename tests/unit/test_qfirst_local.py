@@ -77,13 +77,16 @@ def test_failed_pool_replica_is_retried_with_same_tokens(tiny_checkpoint):
     assert got == ref and service.pool.retries > 0
 
 
-def test_all_replicas_down_raises(tiny_checkpoint):
+def test_all_replicas_down_fails_the_step_and_frees_its_kv(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
-    service, _, pools = build(load_model(path))
+    service, shards, pools = build(load_model(path))
     pools[0].stage = lambda *a: (_ for _ in ()).throw(ConnectionError("down"))
-    service.add_request([1, 2, 3], GenerationParams(max_tokens=2))
-    with pytest.raises(PoolUnavailable, match="down"):
-        service.step()
+    rid = service.add_request([1, 2, 3], GenerationParams(max_tokens=2))
+    [out] = service.step()
+    assert out.finished and out.finish_reason == "error"
+    assert PoolUnavailable.__name__ in out.error and "down" in out.error
+    assert service.requests[rid].error == out.error and not service.has_unfinished()
+    assert shards[0].blocks.num_free == shards[0].blocks.num_blocks
 
 
 def test_wiring_must_match_checkpoint(tiny_checkpoint):
@@ -91,3 +94,37 @@ def test_wiring_must_match_checkpoint(tiny_checkpoint):
     model = load_model(path)
     with pytest.raises(ValueError, match="trained for 'standard'"):
         AttentionService(model, [], make_transport("local", [MLPPool(model)]), wiring="qfirst")
+
+
+def test_preemption_when_kv_runs_out_recomputes_with_same_tokens(tiny_checkpoint):
+    """Too few blocks for all four requests at once: the newest is preempted and recomputed
+    from its tokens; every request still ends with the exact engine's tokens."""
+    path, _ = tiny_checkpoint("qwen3_next")
+    model = load_model(path)
+    ref = [r.output_ids for r in LLMEngine(model).generate(prompts(), PARAMS)]
+    service, shards, _ = build(model, num_shards=2, num_blocks=12, block_size=4)
+    ids = [service.add_request(p, PARAMS) for p in prompts()]
+    preempted, peak = 0, 0
+    while service.has_unfinished():
+        before = {r.seq_id for r in service.running()}
+        service.step()
+        preempted += len(before & {r.seq_id for r in service.waiting})
+        peak = max(peak, max(s.blocks.num_used for s in shards))
+    assert [service.pop(i).output_ids for i in ids] == ref
+    assert preempted > 0 and peak <= 12
+    for shard in shards:
+        assert shard.blocks.num_free == shard.blocks.num_blocks
+        shard.blocks.check()
+
+
+def test_abort_frees_blocks_and_refuses_oversized_requests(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    service, shards, _ = build(load_model(path), num_shards=2, num_blocks=8, block_size=4)
+    with pytest.raises(Exception, match="KV cache"):
+        service.add_request(list(range(1, 60)), GenerationParams(max_tokens=20))
+    rid = service.add_request(list(range(1, 20)), GenerationParams(max_tokens=8))
+    service.step()
+    assert sum(s.blocks.num_used for s in shards) > 0
+    service.abort(rid)
+    assert service.requests[rid].finish_reason == "abort" and not service.has_unfinished()
+    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)

@@ -1,0 +1,169 @@
+"""Serves an `AttentionService` over gRPC (`Attention` in proto/splitstack.proto).
+
+Contract: one thread (the step loop) is the only code that touches the service. A gRPC
+`Generate` call submits its request to that thread, gets it acknowledged or refused, then
+relays one event per token. When the call ends early (the client cancelled or went away)
+its request is aborted and its KV freed at the next step boundary.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+
+from kernels.sampling import SamplingError, SamplingParams
+from services.attention.service import AttentionService
+from services.common.pb import splitstack_pb2 as pb
+from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.engine import GenerationParams, RequestError, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    prompt_ids: list[int]
+    params: GenerationParams
+    events: queue.Queue = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq_id: int | None = None
+    error: Exception | None = None
+
+
+class StepLoop:
+    """Drives `service.step()` on its own thread; other threads submit and abort."""
+
+    def __init__(self, service: AttentionService):
+        self.service = service
+        self.commands: queue.Queue = queue.Queue()
+        self.subs: dict[int, _Submit] = {}
+        self.steps = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="attention-steps", daemon=True)
+        self.thread.start()
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams) -> _Submit:
+        sub = _Submit(prompt_ids, params)
+        self.commands.put(("add", sub))
+        sub.done.wait()
+        if sub.error is not None:
+            raise sub.error
+        return sub
+
+    def abort(self, seq_id: int) -> None:
+        self.commands.put(("abort", seq_id))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.commands.put(("noop", None))
+        self.thread.join(timeout=10)
+
+    def _handle(self, kind: str, arg) -> None:
+        if kind == "add":
+            try:
+                arg.seq_id = self.service.add_request(arg.prompt_ids, arg.params)
+                self.subs[arg.seq_id] = arg
+            except Exception as exc:  # noqa: BLE001 — refused; the caller reports it
+                arg.error = exc
+            arg.done.set()
+        elif kind == "abort" and arg in self.subs:
+            self.service.abort(arg)
+            self._deliver(StepOutput(arg, None, None, True, "abort"))
+
+    def _deliver(self, out: StepOutput) -> None:
+        sub = self.subs.get(out.seq_id)
+        if sub is None:
+            return
+        sub.events.put(out)
+        if out.finished:
+            del self.subs[out.seq_id]
+            self.service.pop(out.seq_id)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            block = not self.service.has_unfinished()
+            try:
+                while True:
+                    kind, arg = self.commands.get(block=block, timeout=0.5 if block else None)
+                    self._handle(kind, arg)
+                    block = False
+            except queue.Empty:
+                pass
+            if not self.service.has_unfinished():
+                continue
+            for out in self.service.step():
+                self._deliver(out)
+            self.steps += 1
+
+
+def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
+    sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              seed=req.seed if req.has_seed else None)
+    return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
+                            stop_token_ids=tuple(req.stop_token_ids),
+                            ignore_eos=req.ignore_eos)
+
+
+def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
+    s = params.sampling
+    return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              has_seed=s.seed is not None, seed=s.seed or 0,
+                              stop_token_ids=list(params.stop_token_ids),
+                              ignore_eos=params.ignore_eos)
+
+
+class AttentionServicer(pb_grpc.AttentionServicer):
+    def __init__(self, loop: StepLoop, name: str, transport: str):
+        self.loop, self.name, self.transport = loop, name, transport
+
+    def Generate(self, request, context):
+        try:
+            sub = self.loop.submit(list(request.prompt_ids), params_from_proto(request))
+        except (RequestError, SamplingError) as exc:
+            yield pb.GenerateEvent(refused=True, finished=True, finish_reason="error",
+                                   error=str(exc), error_field=getattr(exc, "field", "") or "")
+            return
+        seq_id = sub.seq_id
+        context.add_callback(lambda: self.loop.abort(seq_id))   # no-op once finished
+        yield pb.GenerateEvent(seq_id=seq_id)
+        while True:
+            out: StepOutput = sub.events.get()
+            yield pb.GenerateEvent(seq_id=seq_id, has_token=out.token is not None,
+                                   token=out.token or 0, logprob=out.logprob or 0.0,
+                                   finished=out.finished, finish_reason=out.finish_reason or "",
+                                   error=out.error or "")
+            if out.finished:
+                return
+
+    def Stats(self, request, context):
+        service = self.loop.service
+        total = sum(s.blocks.num_blocks for s in service.shards)
+        free = sum(s.blocks.num_free for s in service.shards)
+        return pb.AttentionStats(name=self.name, running=len(service.running()),
+                                 waiting=len(service.waiting), blocks_total=total,
+                                 blocks_free=free, kv_usage=service.kv_usage,
+                                 pool_retries=service.pool.retries, steps=self.loop.steps,
+                                 wiring=service.wiring, transport=self.transport)
+
+    def Health(self, request, context):
+        if not self.loop.thread.is_alive():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the step loop has stopped")
+        return pb.Empty()
+
+
+def serve_attention(service: AttentionService, address: str = "127.0.0.1:0",
+                    name: str = "attention-0", transport: str = "local",
+                    max_workers: int = 64):
+    """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
+    Each in-flight request holds one handler thread, so `max_workers` caps concurrency."""
+    loop = StepLoop(service)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    pb_grpc.add_AttentionServicer_to_server(AttentionServicer(loop, name, transport), server)
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, f"{address.rsplit(':', 1)[0]}:{port}", loop

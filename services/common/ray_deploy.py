@@ -1,0 +1,225 @@
+"""The disaggregated deployment on Ray: MLP pool replicas and attention services as actors.
+
+Each actor loads the checkpoint, keeps only its side's weights (`models.split`) and serves
+its own gRPC endpoint on the actor's host; Ray places the actors, keeps their handles and
+reports their addresses (discovery). The gateway (in the driver) talks gRPC to the attention
+services, each attention service talks to every pool replica over the configured transport:
+
+    gateway ──gRPC stream per request──► attention-i (owns its requests and their KV,
+                                                      split over `kv_splits` shards)
+    attention-i ──transport, one exchange per stage──► pool-0 … pool-{M−1}
+
+`local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
+`nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
+service fails only the requests it owns.
+
+Ray stays on loopback when `RAY_ENV` is in the environment of the process that starts it
+(ENVIRONMENT.md); never `ray stop` — `shutdown()` ends only what this driver started.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+TRANSPORT_NAMES = ("local", "grpc", "nccl")
+
+
+@dataclass
+class ClusterConfig:
+    model: str
+    attention_shards: int = 1          # attention services (each owns its requests)
+    mlp_replicas: int = 1
+    wiring: str | None = None          # None: what the checkpoint was trained for
+    transport: str = "grpc"
+    kv_splits: int = 1                 # KV shards inside one attention service
+    kv_cache_bytes: int = 1 << 30      # per attention service, over its KV shards
+    block_size: int = 16
+    max_num_seqs: int = 16
+    dtype: str = "float32"
+    threads: int = 1                   # torch threads per actor
+    host: str = "127.0.0.1"            # where actors bind their gRPC servers
+    use_gpu: bool = False              # one GPU per actor (required by `nccl`)
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORT_NAMES:
+            raise ValueError(f"--transport must be one of {TRANSPORT_NAMES}, "
+                             f"got {self.transport!r}")
+        if self.wiring not in (None, "standard", "qfirst"):
+            raise ValueError(f"--wiring must be standard or qfirst, got {self.wiring!r}")
+        for name in ("attention_shards", "mlp_replicas", "kv_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.transport == "nccl" and not self.use_gpu:
+            raise ValueError("--transport nccl moves tensors between GPU actors; it needs "
+                             "--gpu (one CUDA device per actor)")
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Start a local Ray cluster on loopback, or join `address`; a no-op if already up."""
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address)
+        return
+    temp = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "splitstack-ray"
+    temp.mkdir(parents=True, exist_ok=True)
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+             _temp_dir=str(temp), _node_ip_address="127.0.0.1", log_to_driver=False)
+
+
+def _load(model_dir: str, dtype: str, side: str, threads: int, device: str = "cpu"):
+    import torch
+
+    from models import load_model
+    from models.split import keep_side
+
+    torch.set_num_threads(threads)
+    model = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
+    keep_side(model, side)
+    return model
+
+
+class PoolReplica:
+    """Ray actor: one stateless MLP pool replica behind a gRPC server."""
+
+    def __init__(self, model_dir: str, name: str, dtype: str = "float32", threads: int = 1,
+                 host: str = "127.0.0.1", use_gpu: bool = False):
+        from services.mlp_pool import MLPPool
+        from services.mlp_pool.grpc_server import serve_pool
+
+        device = "cuda" if use_gpu else "cpu"
+        self.name = name
+        self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
+        self.server, self.addr = serve_pool(self.pool, f"{host}:0")
+        self.nccl = None
+
+    def address(self) -> str:
+        return self.addr
+
+    def calls(self) -> int:
+        return self.pool.calls
+
+    def nccl_listen(self, peer: str) -> bytes:
+        """`nccl` transport: make a communicator for cache-side peer `peer`; returns its id."""
+        from services.common.nccl_transport import PoolNcclEndpoint
+
+        if self.nccl is None:
+            self.nccl = PoolNcclEndpoint(self.pool)
+        return self.nccl.listen(peer)
+
+    def nccl_connect(self, peer: str) -> None:
+        self.nccl.connect(peer)
+
+
+class AttentionReplica:
+    """Ray actor: one attention service (its KV shards, its requests) behind a gRPC server."""
+
+    def __init__(self, config: ClusterConfig, name: str, pools: list | None = None,
+                 pool_addresses: list[str] | None = None):
+        from services.attention.server import serve_attention
+        from services.attention.service import AttentionService
+        from services.attention.shard import KVShard
+        from services.common.tokenizer import eos_token_ids
+        from services.common.transport import make_transport
+        from services.mlp_pool import MLPPool
+
+        c = config
+        device = "cuda" if c.use_gpu else "cpu"
+        if c.transport == "local":   # the pool lives in this process: one model, both sides
+            import torch
+
+            from models import load_model
+
+            torch.set_num_threads(c.threads)
+            model = load_model(c.model, dtype=getattr(torch, c.dtype), device=device)
+            replicas = [MLPPool(model, f"{name}-pool-{i}") for i in range(c.mlp_replicas)]
+        else:
+            model = _load(c.model, c.dtype, "attention", c.threads, device)
+            replicas = list(pool_addresses)
+        cfg = model.config
+        per_token = (2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads
+                     * cfg.head_dim * model.dtype.itemsize)
+        blocks = max(1, c.kv_cache_bytes // (per_token * c.block_size * c.kv_splits))
+        self.shards = [KVShard(cfg, i, c.kv_splits, blocks, c.block_size, model.dtype,
+                               name=f"{name}-kv-{i}") for i in range(c.kv_splits)]
+        if c.transport == "nccl":
+            from services.common.nccl_transport import NcclTransport
+
+            transport = NcclTransport.connect(name, list(pools), replicas)
+        else:
+            transport = make_transport(c.transport, replicas)
+        self.service = AttentionService(model, self.shards, transport,
+                                        wiring=c.wiring or cfg.wiring,
+                                        max_num_seqs=c.max_num_seqs,
+                                        eos_token_ids=eos_token_ids(c.model))
+        self.server, self.addr, self.loop = serve_attention(
+            self.service, f"{c.host}:0", name=name, transport=c.transport)
+        self.name = name
+
+    def address(self) -> str:
+        return self.addr
+
+    def capacity_tokens(self) -> int:
+        return min(s.blocks.num_blocks * s.block_size * s.num_shards for s in self.shards)
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """(free, total) per KV shard: the leak check."""
+        for s in self.shards:
+            s.blocks.check()
+        return [(s.blocks.num_free, s.blocks.num_blocks) for s in self.shards]
+
+
+@dataclass
+class Cluster:
+    """Handles of a running deployment (the driver owns the actors)."""
+    config: ClusterConfig
+    pools: list = field(default_factory=list)
+    attention: list = field(default_factory=list)
+    attention_addresses: list[str] = field(default_factory=list)
+    pool_addresses: list[str] = field(default_factory=list)
+    max_model_len: int = 0
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in self.attention + self.pools:
+            ray.kill(actor, no_restart=True)
+
+
+def deploy(config: ClusterConfig) -> Cluster:
+    """Place the pool replicas, then the attention services, and wait until all serve."""
+    import ray
+
+    from models.config import ModelConfig
+
+    opts = {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
+            "max_concurrency": 8}
+    cluster = Cluster(config)
+    if config.transport != "local":
+        cls = ray.remote(**opts)(PoolReplica)
+        cluster.pools = [cls.options(name=None).remote(config.model, f"pool-{i}", config.dtype,
+                                                      config.threads, config.host,
+                                                      config.use_gpu)
+                         for i in range(config.mlp_replicas)]
+        cluster.pool_addresses = ray.get([p.address.remote() for p in cluster.pools])
+    cls = ray.remote(**opts)(AttentionReplica)
+    cluster.attention = [cls.remote(config, f"attention-{i}", cluster.pools,
+                                    cluster.pool_addresses)
+                         for i in range(config.attention_shards)]
+    try:
+        cluster.attention_addresses = ray.get([a.address.remote() for a in cluster.attention])
+    except Exception:           # e.g. a wiring the checkpoint was not trained for
+        cluster.shutdown()
+        raise
+    capacity = min(ray.get([a.capacity_tokens.remote() for a in cluster.attention]))
+    cluster.max_model_len = min(capacity,
+                                ModelConfig.from_pretrained(config.model).max_position_embeddings)
+    return cluster

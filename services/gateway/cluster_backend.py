@@ -1,0 +1,170 @@
+"""Gateway backend for the disaggregated deployment: attention services over gRPC.
+
+Each request goes to the live attention service with the fewest requests in flight, as one
+server-streaming `Generate` call (grpc.aio, on the gateway's event loop). The first event
+acknowledges or refuses the request; a refusal is a `RequestError` (HTTP 400). Cancelling
+the call (`abort`, or the client going away) aborts the request there and frees its KV. An
+attention service that dies fails only the requests it owns, each with an error naming it;
+it is taken out of routing until a health check (`Health`) answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+
+import grpc
+
+from services.attention.server import params_to_proto
+from services.common.pb import splitstack_pb2 as pb
+from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.engine import GenerationParams, RequestError, StepOutput
+from services.gateway.protocol import APIError
+
+log = logging.getLogger(__name__)
+
+
+class RemoteRequestError(RequestError):
+    """A request an attention service refused, with its message as given."""
+
+    def __init__(self, field_name: str, message: str):
+        ValueError.__init__(self, message)
+        self.field, self.value = field_name or None, None
+
+
+class _Endpoint:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel: grpc.aio.Channel | None = None
+        self.stub = None
+        self.inflight = 0
+        self.down_since: float | None = None
+
+    def connect(self) -> None:
+        if self.channel is None:         # created lazily: aio channels bind to the loop
+            self.channel = grpc.aio.insecure_channel(self.address)
+            self.stub = pb_grpc.AttentionStub(self.channel)
+
+
+class ClusterBackend:
+    RECHECK_S = 5.0      # a failed endpoint is probed again after this long
+
+    def __init__(self, addresses: list[str]):
+        if not addresses:
+            raise ValueError("the gateway needs at least one attention service")
+        self.endpoints = [_Endpoint(a) for a in addresses]
+        self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
+        self.streams = self.calls            # what the gateway counts as running
+        self._ids = itertools.count()
+        self._usage = 0.0
+
+    # ---- routing --------------------------------------------------------------------
+    async def _live(self) -> list[_Endpoint]:
+        now = time.monotonic()
+        for ep in self.endpoints:
+            if ep.down_since is not None and now - ep.down_since > self.RECHECK_S:
+                ep.connect()
+                try:
+                    await ep.stub.Health(pb.Empty(), timeout=1.0)
+                    ep.down_since = None
+                except grpc.aio.AioRpcError:
+                    ep.down_since = now
+        return [ep for ep in self.endpoints if ep.down_since is None]
+
+    def _mark_down(self, ep: _Endpoint, err: grpc.aio.AioRpcError) -> None:
+        if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                          grpc.StatusCode.INTERNAL) and ep.down_since is None:
+            log.warning("attention service %s failed: %s", ep.address, err.details())
+            ep.down_since = time.monotonic()
+
+    async def submit(self, prompt_ids: list[int], params: GenerationParams):
+        """-> (id, asyncio.Queue of StepOutput). Raises RequestError for a refused request
+        and APIError(503) when no attention service is reachable. A request that fails
+        before it was acknowledged holds nothing anywhere, so it is tried on the next
+        service."""
+        request = params_to_proto(prompt_ids, params)
+        errors = []
+        for ep in sorted(await self._live(), key=lambda e: e.inflight):
+            ep.connect()
+            call = ep.stub.Generate(request)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                self._mark_down(ep, err)
+                errors.append(f"{ep.address}: {err.details()}")
+                continue
+            if first is grpc.aio.EOF:
+                errors.append(f"{ep.address}: closed the stream")
+                continue
+            if first.refused:
+                raise RemoteRequestError(first.error_field, first.error)
+            gid = next(self._ids)
+            queue: asyncio.Queue = asyncio.Queue()
+            self.calls[gid] = call
+            ep.inflight += 1
+            asyncio.ensure_future(self._pump(gid, ep, call, queue))
+            return gid, queue
+        raise APIError(503, "no attention service is available"
+                       + (f" ({'; '.join(errors)})" if errors else ""),
+                       type_="service_unavailable")
+
+    async def _pump(self, gid: int, ep: _Endpoint, call, queue: asyncio.Queue) -> None:
+        finished = False
+        try:
+            async for ev in call:
+                finished = ev.finished
+                queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
+                                            ev.logprob if ev.has_token else None, ev.finished,
+                                            ev.finish_reason or None, ev.error or None))
+                if finished:
+                    return
+            if not finished:
+                raise ConnectionError("the stream ended before the request finished")
+        except asyncio.CancelledError:
+            pass
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED:
+                queue.put_nowait(StepOutput(gid, None, None, True, "abort"))
+                return
+            self._mark_down(ep, err)
+            queue.put_nowait(StepOutput(
+                gid, None, None, True, "error",
+                f"attention service {ep.address} failed: {err.code().name}: {err.details()}"))
+        except ConnectionError as err:
+            queue.put_nowait(StepOutput(gid, None, None, True, "error",
+                                        f"attention service {ep.address}: {err}"))
+        finally:
+            ep.inflight -= 1
+            self.calls.pop(gid, None)
+
+    def abort(self, gid: int) -> None:
+        call = self.calls.get(gid)
+        if call is not None:
+            call.cancel()
+
+    # ---- health and metrics ---------------------------------------------------------
+    def healthy(self) -> bool:
+        return any(ep.down_since is None for ep in self.endpoints)
+
+    def kv_usage(self) -> float:
+        return self._usage
+
+    def num_running(self) -> int:
+        return len(self.calls)
+
+    async def refresh(self) -> list[pb.AttentionStats]:
+        """Poll every live service's stats; the gateway's KV gauge is the fullest one."""
+        stats = []
+        for ep in await self._live():
+            ep.connect()
+            try:
+                stats.append(await ep.stub.Stats(pb.Empty(), timeout=2.0))
+            except grpc.aio.AioRpcError as err:
+                self._mark_down(ep, err)
+        self._usage = max((s.kv_usage for s in stats), default=0.0)
+        return stats
+
+    def shutdown(self) -> None:
+        for call in list(self.calls.values()):
+            call.cancel()

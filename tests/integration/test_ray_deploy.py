@@ -1,0 +1,82 @@
+"""The disaggregated deployment on real Ray actors: attention services and MLP pool replicas
+each serving gRPC on loopback, driven over the `Attention` gRPC API."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from models import load_model
+from services.attention.server import params_to_proto
+from services.common.pb import splitstack_pb2 as pb
+from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.ray_deploy import ClusterConfig, deploy
+from services.engine import GenerationParams, LLMEngine
+
+PARAMS = GenerationParams(max_tokens=8, ignore_eos=True)
+
+
+def prompts():
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (6, 27, 11, 18)]
+
+
+def generate(address: str, ids: list[int], params: GenerationParams = PARAMS):
+    """(tokens, events) of one request over the attention service's gRPC stream."""
+    with grpc.insecure_channel(address) as channel:
+        events = list(pb_grpc.AttentionStub(channel).Generate(params_to_proto(ids, params)))
+    return [e.token for e in events if e.has_token], events
+
+
+def run_concurrently(address: str, all_ids):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(all_ids)) as ex:
+        return list(ex.map(lambda ids: generate(address, ids)[0], all_ids))
+
+
+def assert_no_leaks(ray, cluster):
+    for actor in cluster.attention:
+        assert all(free == total for free, total in ray.get(actor.blocks.remote()))
+
+
+@pytest.mark.parametrize("family,transport", [("qwen3_next", "grpc"), ("llama3", "local")])
+def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ray_session):
+    path, _ = tiny_checkpoint(family)
+    ref = [s.output_ids for s in LLMEngine(load_model(path)).generate(prompts(), PARAMS)]
+    cluster = deploy(ClusterConfig(model=str(path), attention_shards=1, mlp_replicas=2,
+                                   transport=transport, kv_splits=3, block_size=4,
+                                   kv_cache_bytes=1 << 20))
+    try:
+        got = run_concurrently(cluster.attention_addresses[0], prompts())
+        assert got == ref
+        assert_no_leaks(ray_session, cluster)
+        if transport == "grpc":       # both replicas served stages, from their own processes
+            calls = ray_session.get([p.calls.remote() for p in cluster.pools])
+            assert all(c > 0 for c in calls)
+        with grpc.insecure_channel(cluster.attention_addresses[0]) as channel:
+            stats = pb_grpc.AttentionStub(channel).Stats(pb.Empty())
+        assert stats.blocks_free == stats.blocks_total and stats.transport == transport
+    finally:
+        cluster.shutdown()
+
+
+def test_refused_request_and_wiring(tiny_checkpoint, ray_session, tmp_path):
+    from tests.unit.test_qfirst_wiring import qfirst_copy
+
+    path, _ = tiny_checkpoint("qwen3_5")
+    qpath = qfirst_copy(path, tmp_path / "qfirst")
+    ref = [s.output_ids for s in LLMEngine(load_model(qpath)).generate(prompts()[:2], PARAMS)]
+    cluster = deploy(ClusterConfig(model=str(qpath), transport="grpc"))   # checkpoint wiring
+    try:
+        address = cluster.attention_addresses[0]
+        assert run_concurrently(address, prompts()[:2]) == ref
+        _, events = generate(address, [])                      # empty prompt: refused
+        assert events[0].refused and events[0].error_field == "prompt"
+        _, events = generate(address, [1, 2], GenerationParams(max_tokens=10 ** 6))
+        assert events[0].refused and events[0].error_field == "max_tokens"
+        assert run_concurrently(address, prompts()[:1]) == ref[:1]   # still serving
+    finally:
+        cluster.shutdown()
+    with pytest.raises(Exception, match="trained for 'qfirst'"):
+        deploy(ClusterConfig(model=str(qpath), wiring="standard", transport="grpc"))
