@@ -173,13 +173,69 @@ def cmd_derive(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_qfirst(args: argparse.Namespace) -> int:
+    from models.zoo import convert_qfirst as cq
+
+    torch.set_num_threads(args.threads)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        cfg = cq.ConvertConfig(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                               lr=args.lr, eval_docs=args.eval_docs, seed=args.seed)
+        train, heldout, source = cq.corpus_data(args.model, cfg, args.data)
+        result = cq.convert_qfirst(args.model, args.out, train, heldout, cfg, log, source)
+    except (cq.ConversionError, FileNotFoundError) as err:     # bad budget, data or model
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    print(f"d = {result['d']:+.4f} bits/byte (converted + SFT {result['bpb']['converted_sft']:.4f}"
+          f" vs unconverted + SFT {result['bpb']['unconverted_sft']:.4f}); "
+          f"untrained {result['untrained']:+.4f}", file=sys.stderr)
+    return 0
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.common.ray_deploy import ClusterConfig
+    from services.gateway.server import build_cluster
+
+    if args.prefill_mode != "exact" or args.maps or args.prefix_cache:
+        print("error: RidgeFill and the prefix cache run in the embedded engine; the "
+              "disaggregated deployment serves exact prefill only", file=sys.stderr)
+        return 2
+    try:
+        config = ClusterConfig(
+            model=args.model, attention_shards=args.attention_shards or 1,
+            mlp_replicas=args.mlp_replicas or 1, wiring=args.wiring,
+            transport=args.transport or "grpc", kv_splits=args.kv_splits,
+            kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=args.max_num_seqs,
+            dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu)
+        app, cluster = build_cluster(config, address=args.address,
+                                     served_name=args.served_model_name)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
+          f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
+          f"shard(s), {config.mlp_replicas} MLP replica(s), {config.transport} transport, "
+          f"{args.wiring or 'checkpoint'} wiring)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        cluster.shutdown()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.server import build_embedded
     from services.prefill.service import PrefillConfig
 
-    torch.set_num_threads(args.threads)
+    if args.disaggregated or args.address or args.attention_shards or args.mlp_replicas \
+            or args.transport or args.wiring:
+        return _serve_cluster(args)
+    torch.set_num_threads(args.threads or 2)
     prefill = PrefillConfig(mode=args.prefill_mode, maps_dir=args.maps,
                             resident=not args.maps_streamed, split=args.split, tail=args.tail,
                             selector=args.selector, budget=args.budget,
@@ -291,6 +347,22 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--threads", type=int, default=2)
     der.set_defaults(func=cmd_derive)
 
+    cvt = sub.add_parser("convert-qfirst", help="rewire the query read point and fine-tune Wq "
+                                                "(seed 003, §6); reports d in bits/byte")
+    cvt.add_argument("--model", required=True, help="Hugging Face model directory (standard)")
+    cvt.add_argument("--out", required=True, help="converted checkpoint directory")
+    cvt.add_argument("--data", nargs="*", help="training text files (default: the corpus's "
+                                               "calibration split; held-out: its eval split)")
+    cvt.add_argument("--steps", type=int, default=120, help="Wq fine-tune steps, each arm")
+    cvt.add_argument("--seq-len", type=int, default=256)
+    cvt.add_argument("--batch", type=int, default=1, help="windows per step")
+    cvt.add_argument("--lr", type=float, default=2e-3)
+    cvt.add_argument("--eval-docs", type=int, default=16,
+                     help="held-out documents, one window each")
+    cvt.add_argument("--seed", type=int, default=0)
+    cvt.add_argument("--threads", type=int, default=2)
+    cvt.set_defaults(func=cmd_convert_qfirst)
+
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     srv.add_argument("--model", default="models/zoo/smollm2-135m")
     srv.add_argument("--served-model-name", default=None,
@@ -301,8 +373,25 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-num-seqs", type=int, default=16)
     srv.add_argument("--kv-cache-gib", type=float, default=1.0,
                      help="memory for the paged KV cache; caps the context length")
-    srv.add_argument("--threads", type=int, default=2)
+    srv.add_argument("--threads", type=int, default=None,
+                     help="torch threads (embedded: 2; per Ray actor: 1)")
     srv.add_argument("--log-level", default="info")
+    qf = srv.add_argument_group("disaggregated Q-First decode on Ray (any of these flags "
+                                "turns it on; without them one embedded engine serves)")
+    qf.add_argument("--disaggregated", action="store_true",
+                    help="attention services + MLP pool as Ray actors (defaults below)")
+    qf.add_argument("--address", default=None,
+                    help="join this Ray cluster instead of starting a local one")
+    qf.add_argument("--attention-shards", type=int, default=None,
+                    help="attention services; each owns its requests and their KV (1)")
+    qf.add_argument("--kv-splits", type=int, default=1,
+                    help="KV shards one sequence's cache is split over, per attention service")
+    qf.add_argument("--mlp-replicas", type=int, default=None, help="MLP pool replicas (1)")
+    qf.add_argument("--wiring", choices=["standard", "qfirst"], default=None,
+                    help="default: what the checkpoint was trained for (it refuses others)")
+    qf.add_argument("--transport", choices=["local", "grpc", "nccl"], default=None,
+                    help="attention <-> pool data plane (grpc; nccl needs --gpu)")
+    qf.add_argument("--gpu", action="store_true", help="one CUDA device per actor")
     rf = srv.add_argument_group("RidgeFill prefill (requests may override: prefill_mode, "
                                 "ridgefill={...})")
     rf.add_argument("--prefill-mode", choices=["exact", "ridgefill"], default="exact")

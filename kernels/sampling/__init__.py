@@ -65,5 +65,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             continue
         row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
         gen = generators[i] if generators else None
-        tokens[i] = torch.multinomial(row.softmax(-1), 1, generator=gen)[0]
+        probs = row.softmax(-1)
+        if gen is not None and gen.device != probs.device:   # a request's CPU generator
+            probs = probs.cpu()                                # draws the same on any device
+        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0].to(tokens.device)
     return tokens, logprobs_all.gather(-1, tokens[:, None])[:, 0]

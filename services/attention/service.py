@@ -75,9 +75,11 @@ class AttentionService:
         self.gdn_index = {l: i for i, l in enumerate(gdn)}
         if gdn:
             self.conv = torch.zeros(len(gdn), max_num_seqs, self.cfg.gdn_conv_dim,
-                                    self.cfg.linear_conv_kernel_dim - 1, dtype=model.dtype)
+                                    self.cfg.linear_conv_kernel_dim - 1, dtype=model.dtype,
+                                    device=model.device)
             self.rec = torch.zeros(len(gdn), max_num_seqs, self.cfg.linear_num_value_heads,
-                                   self.cfg.linear_key_head_dim, self.cfg.linear_value_head_dim)
+                                   self.cfg.linear_key_head_dim, self.cfg.linear_value_head_dim,
+                                   device=model.device)
         self.max_num_seqs = max_num_seqs
         self.requests: dict[int, Request] = {}      # every request until popped
         self.waiting: deque[Request] = deque()      # not admitted (or preempted): no KV held
@@ -207,8 +209,9 @@ class AttentionService:
             seq_ids += [r.seq_id] * len(span)
             positions += list(span)
             ids += r.tokens[r.num_cached:]
-        pos = torch.tensor(positions)
-        pending = self.pool.submit("stage", 0, torch.tensor(ids), pos)
+        dev = self.model.device
+        pos = torch.tensor(positions, device=dev)
+        pending = self.pool.submit("stage", 0, torch.tensor(ids, device=dev), pos)
         u = None                     # what `pending` was computed from: layer l−1's MLP input
         for l in range(self.cfg.num_hidden_layers):
             if self.model.layer(l).kind == FULL_ATTENTION:
@@ -218,7 +221,7 @@ class AttentionService:
             if l + 1 < self.cfg.num_hidden_layers:
                 pending = self.pool.submit("stage", l + 1, u, pos)
         last = torch.tensor([i for i, s in enumerate(seq_ids)
-                             if i + 1 == len(seq_ids) or seq_ids[i + 1] != s])
+                             if i + 1 == len(seq_ids) or seq_ids[i + 1] != s], device=dev)
         return self.pool.call("final", u[last], [r.params.sampling for r in batch],
                               [r.generator for r in batch])
 
@@ -249,7 +252,7 @@ class AttentionService:
     def _gated_deltanet(self, l, out, batch, decode):
         gi = self.gdn_index[l]
         if decode:   # one row per request: a single batched recurrent step over their slots
-            sl = torch.tensor([r.state_slot for r in batch])
+            sl = torch.tensor([r.state_slot for r in batch], device=self.rec.device)
             inp = GDNInputs(*(t[:, None] for t in out.gdn))
             o, c, s = self.model.gdn_mix(l, inp, self.conv[gi, sl], self.rec[gi, sl])
             self.conv[gi, sl], self.rec[gi, sl] = c, s

@@ -75,9 +75,12 @@ class GrpcTransport(Transport):
         raise ValueError(f"unknown pool method {method!r}")
 
     def _decode(self, replica: PoolStream, reply: pb.PoolReply, args):
+        return self._decode_tensors(replica, reply, [from_proto(t) for t in reply.tensors],
+                                    args)
+
+    def _decode_tensors(self, replica, reply: pb.PoolReply, tensors: list, args):
         if reply.error:
             raise RuntimeError(f"{replica.name}: {reply.error}")
-        tensors = [from_proto(t) for t in reply.tensors]
         if reply.kind == "attn":
             return StageOutput(tensors[0], tensors[1], tensors[2])
         if reply.kind == "gdn":

@@ -98,8 +98,12 @@ class PoolReplica:
         device = "cuda" if use_gpu else "cpu"
         self.name = name
         self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
-        self.server, self.addr = serve_pool(self.pool, f"{host}:0")
         self.nccl = None
+        if use_gpu:
+            from services.common.nccl_transport import PoolNcclEndpoint
+
+            self.nccl = PoolNcclEndpoint()
+        self.server, self.addr = serve_pool(self.pool, f"{host}:0", nccl=self.nccl)
 
     def address(self) -> str:
         return self.addr
@@ -107,16 +111,12 @@ class PoolReplica:
     def calls(self) -> int:
         return self.pool.calls
 
-    def nccl_listen(self, peer: str) -> bytes:
-        """`nccl` transport: make a communicator for cache-side peer `peer`; returns its id."""
-        from services.common.nccl_transport import PoolNcclEndpoint
-
+    def nccl_listen(self, peer: str):
+        """`nccl` transport: a communicator id for cache-side peer `peer`, which this
+        replica is joining as rank 1."""
         if self.nccl is None:
-            self.nccl = PoolNcclEndpoint(self.pool)
+            raise RuntimeError("the nccl transport needs pool replicas started with use_gpu")
         return self.nccl.listen(peer)
-
-    def nccl_connect(self, peer: str) -> None:
-        self.nccl.connect(peer)
 
 
 class AttentionReplica:
@@ -149,7 +149,8 @@ class AttentionReplica:
                      * cfg.head_dim * model.dtype.itemsize)
         blocks = max(1, c.kv_cache_bytes // (per_token * c.block_size * c.kv_splits))
         self.shards = [KVShard(cfg, i, c.kv_splits, blocks, c.block_size, model.dtype,
-                               name=f"{name}-kv-{i}") for i in range(c.kv_splits)]
+                               name=f"{name}-kv-{i}", device=device)
+                       for i in range(c.kv_splits)]
         if c.transport == "nccl":
             from services.common.nccl_transport import NcclTransport
 

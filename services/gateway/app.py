@@ -242,6 +242,9 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
                 yield _sse({"id": rid, "object": chunk_obj, "created": created,
                             "model": gateway.model_name, "choices": [choice]})
                 item = await anext(stream, None)
+        except APIError as exc:      # failed mid-stream (its attention service died, say)
+            yield _sse(exc.body())
+        else:
             yield "data: [DONE]\n\n"
         finally:              # the client went away (or we finished): abort frees the KV
             await stream.aclose()

@@ -57,6 +57,7 @@ class ClusterBackend:
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self.streams = self.calls            # what the gateway counts as running
         self._ids = itertools.count()
+        self._turn = itertools.count()
         self._usage = 0.0
 
     # ---- routing --------------------------------------------------------------------
@@ -85,24 +86,30 @@ class ClusterBackend:
         service."""
         request = params_to_proto(prompt_ids, params)
         errors = []
-        for ep in sorted(await self._live(), key=lambda e: e.inflight):
+        live = await self._live()
+        turn = next(self._turn)          # ties go round robin
+        order = sorted(range(len(live)), key=lambda i: (live[i].inflight,
+                                                        (i - turn) % len(live)))
+        for ep in (live[i] for i in order):
             ep.connect()
+            ep.inflight += 1             # counted from now, so concurrent submits spread
             call = ep.stub.Generate(request)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as err:
+                ep.inflight -= 1
                 self._mark_down(ep, err)
                 errors.append(f"{ep.address}: {err.details()}")
                 continue
-            if first is grpc.aio.EOF:
-                errors.append(f"{ep.address}: closed the stream")
-                continue
-            if first.refused:
+            if first is grpc.aio.EOF or first.refused:
+                ep.inflight -= 1
+                if first is grpc.aio.EOF:
+                    errors.append(f"{ep.address}: closed the stream")
+                    continue
                 raise RemoteRequestError(first.error_field, first.error)
             gid = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
             self.calls[gid] = call
-            ep.inflight += 1
             asyncio.ensure_future(self._pump(gid, ep, call, queue))
             return gid, queue
         raise APIError(503, "no attention service is available"
@@ -112,7 +119,10 @@ class ClusterBackend:
     async def _pump(self, gid: int, ep: _Endpoint, call, queue: asyncio.Queue) -> None:
         finished = False
         try:
-            async for ev in call:
+            while True:
+                ev = await call.read()
+                if ev is grpc.aio.EOF:
+                    break
                 finished = ev.finished
                 queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
                                             ev.logprob if ev.has_token else None, ev.finished,
@@ -131,7 +141,7 @@ class ClusterBackend:
             queue.put_nowait(StepOutput(
                 gid, None, None, True, "error",
                 f"attention service {ep.address} failed: {err.code().name}: {err.details()}"))
-        except ConnectionError as err:
+        except Exception as err:  # noqa: BLE001 — never leave a request waiting
             queue.put_nowait(StepOutput(gid, None, None, True, "error",
                                         f"attention service {ep.address}: {err}"))
         finally:

@@ -22,25 +22,37 @@ def _generator(state: bytes) -> torch.Generator | None:
 
 
 class PoolServicer(pb_grpc.MLPPoolServicer):
-    def __init__(self, pool: MLPPool):
-        self.pool = pool
+    """`nccl`: a `PoolNcclEndpoint`; requests naming an `nccl_peer` get their tensors'
+    bytes over that peer's link, and the reply's go back the same way."""
+
+    def __init__(self, pool: MLPPool, nccl=None):
+        self.pool, self.nccl = pool, nccl
 
     def _run(self, req: pb.PoolRequest) -> pb.PoolReply:
+        link = self.nccl.link(req.nccl_peer) if req.nccl_peer else None
+        get = link.recv if link is not None else from_proto
         if req.HasField("stage"):
-            out = self.pool.stage(req.stage.layer, from_proto(req.stage.u),
-                                  from_proto(req.stage.positions))
+            out = self.pool.stage(req.stage.layer, get(req.stage.u), get(req.stage.positions))
             if out.gdn is None:
-                return pb.PoolReply(id=req.id, kind="attn",
-                                    tensors=[to_proto(t) for t in (out.z, out.k, out.v)])
-            return pb.PoolReply(id=req.id, kind="gdn",
-                                tensors=[to_proto(t) for t in (out.z, *out.gdn)])
+                return self._reply(req.id, "attn", (out.z, out.k, out.v), link)
+            return self._reply(req.id, "gdn", (out.z, *out.gdn), link)
         params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
                   for p in req.final.params]
         gens = [_generator(p.generator_state) for p in req.final.params]
-        tokens, logprobs, logits = self.pool.final(from_proto(req.final.u), params, gens)
+        tokens, logprobs, logits = self.pool.final(get(req.final.u), params, gens)
         states = [g.get_state().numpy().tobytes() if g is not None else b"" for g in gens]
-        return pb.PoolReply(id=req.id, kind="final",
-                            tensors=[to_proto(t) for t in (tokens, logprobs, logits)],
+        return self._reply(req.id, "final", (tokens, logprobs, logits), link, states)
+
+    @staticmethod
+    def _reply(rid: int, kind: str, tensors, link, states=()) -> pb.PoolReply:
+        if link is None:
+            return pb.PoolReply(id=rid, kind=kind, tensors=[to_proto(t) for t in tensors],
+                                generator_states=states)
+        from services.common.nccl_transport import meta
+
+        for t in tensors:           # stream-ordered: posted now, delivered in this order
+            link.send(t)
+        return pb.PoolReply(id=rid, kind=kind, tensors=[meta(t) for t in tensors],
                             generator_states=states)
 
     def Calls(self, request_iterator, context):
@@ -54,12 +66,14 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
         return pb.Empty()
 
 
-def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 4):
-    """Start a gRPC server for `pool`; returns (server, bound address)."""
+def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 4,
+               nccl=None):
+    """Start a gRPC server for `pool` (`nccl`: its `PoolNcclEndpoint`, for the nccl
+    transport); returns (server, bound address)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_send_message_length", 512 << 20),
                                   ("grpc.max_receive_message_length", 512 << 20)])
-    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(pool), server)
+    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(pool, nccl), server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"

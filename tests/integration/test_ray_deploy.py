@@ -80,3 +80,12 @@ def test_refused_request_and_wiring(tiny_checkpoint, ray_session, tmp_path):
         cluster.shutdown()
     with pytest.raises(Exception, match="trained for 'qfirst'"):
         deploy(ClusterConfig(model=str(qpath), wiring="standard", transport="grpc"))
+
+
+def test_bad_cluster_settings_are_refused():
+    with pytest.raises(ValueError, match="needs --gpu"):
+        ClusterConfig(model="unused", transport="nccl")
+    with pytest.raises(ValueError, match="transport"):
+        ClusterConfig(model="unused", transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="attention_shards"):
+        ClusterConfig(model="unused", attention_shards=0)

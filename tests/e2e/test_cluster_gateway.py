@@ -1,0 +1,154 @@
+"""The gateway in front of the disaggregated deployment: SmolLM2 served by Ray actors (2
+attention services, each with its KV split over 2 shards, and 2 MLP pool replicas over the
+grpc transport), reached over HTTP with the official `openai` client and raw SSE.
+
+The tests run in order: the last one kills an attention service.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from models import load_model
+from services.common.ray_deploy import ClusterConfig
+from services.common.tokenizer import load_tokenizer
+from services.engine import GenerationParams, LLMEngine
+from services.gateway.server import build_cluster
+from tests.e2e.conftest import ZOO, running
+
+MAX_TOKENS = 16
+
+
+def prompt_ids():
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (5, 40, 17, 26)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tok = load_tokenizer(ZOO)
+    params = GenerationParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    seqs = LLMEngine(load_model(ZOO)).generate(prompt_ids(), params)
+    return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    config = ClusterConfig(model=str(ZOO), attention_shards=2, kv_splits=2, mlp_replicas=2,
+                           transport="grpc", kv_cache_bytes=128 << 20, max_num_seqs=8)
+    app, cluster = build_cluster(config, served_name="smollm2-135m")
+    with running(app) as base:
+        yield base, cluster
+    cluster.shutdown()
+
+
+def stream_text(base: str, ids: list[int], started: threading.Event | None = None):
+    """Raw SSE completion: (text, error message or None)."""
+    body = {"model": "smollm2-135m", "prompt": ids, "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    text = ""
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                return text, event["error"]["message"]
+            text += event["choices"][0]["text"]
+            if started is not None and text:
+                started.set()
+    return text, None
+
+
+def concurrently(base, on_started=None):
+    """Four streaming requests at once; `on_started` runs once each has its first token."""
+    starts = [threading.Event() for _ in prompt_ids()]
+    with ThreadPoolExecutor(4) as ex:
+        futures = [ex.submit(stream_text, base, ids, ev) for ids, ev in zip(prompt_ids(), starts)]
+        if on_started is not None:
+            for ev in starts:
+                assert ev.wait(120)
+            on_started()
+        return [f.result() for f in futures]
+
+
+def assert_no_leaks(ray, cluster, alive):
+    for i in alive:
+        for free, total in ray.get(cluster.attention[i].blocks.remote()):
+            assert free == total
+
+
+def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_session):
+    base, handles = cluster
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda ids: client.completions.create(
+            model="smollm2-135m", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True}).choices[0].text, prompt_ids()))
+    assert got == reference
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt=prompt_ids()[1], max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, extra_body={"ignore_eos": True}))
+    assert streamed == reference[1]
+    chat = client.chat.completions.create(model="smollm2-135m", max_tokens=8,
+                                          messages=[{"role": "user", "content": "Hi!"}])
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    metrics = httpx.get(base + "/metrics").text
+    assert "splitstack_kv_cache_usage_ratio" in metrics
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 10 ** 7}, 400, "max_tokens"),
+    ({"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    (b"{not json", 400, None),
+])
+def test_bad_requests_get_4xx_and_service_keeps_serving(cluster, body, status, param):
+    base, _ = cluster
+    if isinstance(body, bytes):
+        r = httpx.post(base + "/v1/completions", content=body,
+                       headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+    ok = httpx.post(base + "/v1/completions", timeout=60,
+                    json={"model": "smollm2-135m", "prompt": "Hello", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_session):
+    base, handles = cluster
+    results = concurrently(base, on_started=lambda: ray_session.kill(handles.pools[0]))
+    assert [err for _, err in results] == [None] * 4
+    assert [text for text, _ in results] == reference
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
+def test_killed_attention_service_fails_only_its_requests(cluster, reference, ray_session):
+    base, handles = cluster
+    results = concurrently(base, on_started=lambda: ray_session.kill(handles.attention[0]))
+    failed = [err for _, err in results if err is not None]
+    assert 1 <= len(failed) <= 3          # the dead service owned some, not all, of them
+    assert all(handles.attention_addresses[0] in err for err in failed)
+    for (text, err), want in zip(results, reference):
+        if err is None:
+            assert text == want
+    assert_no_leaks(ray_session, handles, alive=[1])
+    again = concurrently(base)             # routed around the dead service
+    assert [t for t, _ in again] == reference and all(e is None for _, e in again)
+    assert httpx.get(base + "/health").status_code == 200
