@@ -11,6 +11,7 @@ from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
+from tests.conftest import FAMILIES
 
 PARAMS = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True)
 
@@ -40,12 +41,14 @@ def pool_servers(request):
         server.stop(0)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_grpc_pool_matches_exact_engine(family, tiny_checkpoint, pool_servers):
+@pytest.mark.parametrize("family,num_shards,replicas",
+                         [(f, 3, 2) for f in FAMILIES] + [("llama3", 1, 1)])
+def test_grpc_pool_matches_exact_engine(family, num_shards, replicas, tiny_checkpoint,
+                                        pool_servers):
     path, _ = tiny_checkpoint(family)
     model = load_model(path)
     ref = LLMEngine(model).generate(prompts(), PARAMS)
-    service, shards = service_over_grpc(model, pool_servers(model, 2))
+    service, shards = service_over_grpc(model, pool_servers(model, replicas), num_shards)
     got = service.generate(prompts(), PARAMS)
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
