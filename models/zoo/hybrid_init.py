@@ -99,11 +99,13 @@ def base_state(parent: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
-def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Differentiable token-mixer output of layer l (before the residual add)."""
+def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
+          u: torch.Tensor | None = None) -> torch.Tensor:
+    """Differentiable token-mixer output of layer l (before the residual add); u is the
+    previous feed-forward's input, which the query reads under q-first wiring."""
     layer = model.layer(l)
     if layer.kind == FULL_ATTENTION:
-        a = model.attn_inputs(l, x, pos)
+        a = model.attn_inputs(l, x, pos, u=u)
         o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
                                            a.v.transpose(1, 2), is_causal=True,
                                            enable_gqa=True).transpose(1, 2)
@@ -114,14 +116,16 @@ def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor) -> torch.
 
 
 def train_logits(model: CausalLM, ids: torch.Tensor, trace: list | None = None):
-    """Differentiable forward; `trace` collects (layer input, mixer output) per layer."""
+    """Differentiable forward under the model's wiring; `trace` collects (layer input, mixer
+    output) per layer."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    x = model.embed(ids)
+    x, h = model.embed(ids), None
     for l in range(model.config.num_hidden_layers):
-        m = mixer(model, l, x, pos)
+        m = mixer(model, l, x, pos, u=h)
         if trace is not None:
             trace.append((x, m))
-        x = model.mlp(l, x + m)
+        h = x + m
+        x = model.mlp(l, h)
     return model.final(x)
 
 
