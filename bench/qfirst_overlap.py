@@ -1,119 +1,322 @@
 """Q-first vs standard wiring: per-token decode latency with the MLP pool in another process.
 
-    python bench/qfirst_overlap.py [--model DIR] [--contexts 512,2048] [--batches 1,4]
-                                   [--steps 8] [--repeats 3]
+    python bench/qfirst_overlap.py [--model DIR] [--contexts 1024,8192,32768] [--batches 1,8]
+                                   [--transports local,grpc,nccl] [--steps 7] [--warmup 2]
+                                   [--engine-threads 2] [--out bench/results/qfirst_overlap.json]
 
-The pool runs in a separate process behind gRPC (one persistent stream); the attention
-service (cache side) runs here. Both use one thread each, so on 2 cores they can overlap.
-Under q-first wiring the cache side sends u, sweeps its KV while the pool computes, and only
-the combine waits; under standard wiring it waits for z before it can form q. The same
-weights are used with the wiring flag flipped (latency only; a q-first model would be
-converted by fine-tuning Wq). Prints ms/token for both, their ratio (median of N), and the
-exact single-process engine for reference.
+Where things run (DESIGN.md, "Q-First decode protocol"):
+- `grpc`: the pool (`MLPPool` behind `serve_pool`) runs in a child process with one torch
+  thread; the attention service (cache side) runs here with one torch thread, so on two
+  cores q-first's sweep runs while the pool computes the feed-forward. One pool process
+  serves both wirings: a pool stage is the same computation under either.
+- `local`: the pool in this process; `submit` runs the call at once, so nothing overlaps.
+  It is the baseline the breakdown needs.
+- `nccl`: GPU actors only; skipped with a note (this benchmark's pool is a CPU process).
+- mono: the exact single-process engine (`LLMEngine`) with --engine-threads torch threads
+  (default 2: the two cores the two processes use between them).
+
+The cache is filled, not prefilled: prefilling 32K tokens takes far too long on a CPU and
+SmolLM2 has 8K positions, so this measures time only. Each request's KV blocks are reserved
+and written with random finite values (N(0, 1), fp32 like the model), and it starts decoding
+with `num_cached = context` (the engine: a prefix-cache hook admits it with `context` tokens
+cached). Positions past max_position_embeddings only lengthen the rotary table. The q-first
+service loads the checkpoint marked "splitstack_wiring": "qfirst" (same weights; a
+converted Wq changes quality, not time). A point whose KV does not fit in free memory, less
+--mem-slack GiB, is skipped with a note (32K x 8 needs 11.3 GiB).
+
+The two wirings decode in alternating steps over the same cache, so a load drifting on the
+machine hits both alike; each reports the median of --steps steps after --warmup. Per
+transport the table gives ms/token for both wirings and their ratio, the engine and the
+disaggregated q-first against it, and per stage (standard wiring): the cache-side sweep, the
+pool's own compute (timed inside the pool process), the transport (round trip less pool
+compute), what q-first still waits for after its sweep, and the cache side's remaining work.
+Per batch it then finds the crossover context, where the sweep takes as long as the pool
+stage (interpolated from the measured sweeps), and measures there too. JSON goes to --out.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.qfirst_probes import (Clock, PoolProcess, TimedPool, TimedShard,  # noqa: E402
+                                 TimedTransport, available_bytes, fill_random, kv_bytes,
+                                 wiring_checkpoint)
 from models import load_model  # noqa: E402
-from services.attention.service import AttentionService  # noqa: E402
-from services.attention.shard import KVShard  # noqa: E402
+from services.attention.service import AttentionService, Request  # noqa: E402
 from services.common.transport import make_transport  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 
-POOL = """
-import sys, time, torch
-torch.set_num_threads(1)
-from models import load_model
-from services.mlp_pool import MLPPool
-from services.mlp_pool.grpc_server import serve_pool
-server, address = serve_pool(MLPPool(load_model(sys.argv[1])))
-print(address, flush=True)
-time.sleep(3600)
-"""
+BLOCK = 16
+GiB = 1 << 30
+WIRINGS = ("standard", "qfirst")
 
 
-def decode_ms(service_or_engine, prompts, steps: int) -> float:
-    params = GenerationParams(max_tokens=steps + 1, ignore_eos=True)
-    ids = [service_or_engine.add_request(p, params) for p in prompts]
-    service_or_engine.step()                                  # prefill (not timed)
-    start = time.perf_counter()
-    for _ in range(steps):
-        service_or_engine.step()
-    elapsed = time.perf_counter() - start
-    for i in ids:
-        if isinstance(service_or_engine, LLMEngine):
-            service_or_engine.pop(i)
-        else:
-            service_or_engine.requests.pop(i)
-    return elapsed / steps * 1000
+def inject(service, ctx: int, batch: int) -> list[Request]:
+    """Requests 0..batch-1 with `ctx` cached tokens (blocks reserved and filled already)."""
+    params = GenerationParams(max_tokens=1 << 20, ignore_eos=True)
+    reqs = [Request(i, [1] * (ctx + 1), params, num_cached=ctx) for i in range(batch)]
+    for r in reqs:
+        if service.slots is not None:
+            r.state_slot = service.slots.allocate()
+        service.requests[r.seq_id] = r
+    return reqs
+
+
+def run_wirings(services: dict, shard, ctx: int, batch: int, args, pool_take) -> dict:
+    """Decode steps of both wirings, alternating (and alternating which goes first). Both
+    decode seq ids 0..batch-1 over the same shard; each writes its own next positions, which
+    only changes random cache contents."""
+    reqs = {w: inject(s, ctx, batch) for w, s in services.items()}
+    clocks = {w: Clock() for w in services}
+    times, pool = defaultdict(list), defaultdict(float)
+    for i in range(args.warmup + args.steps):
+        for w in (WIRINGS if i % 2 == 0 else WIRINGS[::-1]):
+            shard.clock = services[w].pool.clock = clocks[w]
+            pool_take()
+            t = time.perf_counter()
+            services[w].step()
+            t = time.perf_counter() - t
+            took = pool_take().get("pool", {"s": 0.0})["s"]
+            failed = [r for r in reqs[w] if r.finish_reason is not None]
+            if failed:
+                raise RuntimeError(f"{w} decode failed: {failed[0].error}")
+            if i == args.warmup - 1:
+                clocks[w].take()
+            if i >= args.warmup:
+                times[w].append(t)
+                pool[w] += took
+    cfg = services["standard"].cfg
+    n_fa, stages = len(cfg.full_attention_layers), cfg.num_hidden_layers
+    out = {}
+    for w, s in services.items():
+        for r in reqs[w]:
+            s.requests.pop(r.seq_id)
+            if r.state_slot is not None:
+                s.slots.free(r.state_slot)
+        c = {k: v["s"] / args.steps * 1e3 for k, v in clocks[w].take().items()}  # ms/step
+        mean = statistics.mean(times[w]) * 1e3
+        out[w] = {"ms_per_token": statistics.median(times[w]) * 1e3,
+                  "step_ms": [t * 1e3 for t in times[w]],
+                  "sweep_ms": c.get("sweep", 0.0) / n_fa,
+                  "pool_ms": pool[w] / args.steps * 1e3 / stages,
+                  **{f"{k}_ms": c.get(k, 0.0) / stages for k in ("send", "wait", "roundtrip")},
+                  "final_ms": c.get("final", 0.0),
+                  # the cache side's own work: projections, combine, append, bookkeeping
+                  "rest_ms": (mean - c.get("final", 0.0) - c.get("sweep", 0.0)
+                              - c.get("send", 0.0) - c.get("wait", 0.0)) / stages}
+    return out
+
+
+def run_engine(model, ctx: int, batch: int, args) -> dict:
+    """The exact engine over a cache filled the same way (random, `ctx` tokens each)."""
+    total = ctx + 1 + args.warmup + args.steps + 1
+    engine = LLMEngine(model, EngineConfig(
+        block_size=BLOCK, num_blocks=batch * -(-total // BLOCK), max_num_seqs=batch,
+        max_num_batched_tokens=max(batch, 16), max_prefill_chunk=16, max_model_len=total + 1))
+    engine.scheduler.cached_tokens = lambda seq: len(seq.prompt_ids) - 1
+    params = GenerationParams(max_tokens=total - ctx - 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([1] * (ctx + 1), params)
+    torch.set_num_threads(args.engine_threads)
+    try:
+        engine.step()                 # admits all with `ctx` cached; computes the last token
+        fill_random(engine.cache.kv)
+        times = []
+        for i in range(args.warmup + args.steps):
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(1)
+    times = times[args.warmup:]
+    return {"ms_per_token": statistics.median(times) * 1e3, "step_ms": [t * 1e3 for t in times]}
+
+
+def measure(ctx: int, batch: int, args, models: dict, transports: dict) -> dict | None:
+    cfg, dtype = models["standard"].config, models["standard"].dtype
+    total = ctx + 1 + args.warmup + args.steps + 1
+    blocks = batch * -(-total // BLOCK)
+    need, free = kv_bytes(cfg, blocks * BLOCK, dtype), available_bytes()
+    if need + args.mem_slack * GiB > free:
+        print(f"  skipped: context {ctx} batch {batch} needs {need / GiB:.1f} GiB of KV, "
+              f"{free / GiB:.1f} GiB is free and {args.mem_slack} GiB is kept", flush=True)
+        return None
+    print(f"context {ctx} batch {batch} ({need / GiB:.2f} GiB of KV)", flush=True)
+    shard = TimedShard(cfg, 0, 1, blocks, BLOCK, dtype, clock=Clock())
+    for i in range(batch):
+        shard.reserve(i, total)
+    fill_random(shard.kv)
+    point = {"context": ctx, "batch": batch, "kv_gib": need / GiB, "transports": {}}
+    for name, (transport, pool_take) in transports.items():
+        services = {w: AttentionService(models[w], [shard], TimedTransport(transport, Clock()),
+                                        wiring=w, max_num_seqs=batch) for w in WIRINGS}
+        point["transports"][name] = run_wirings(services, shard, ctx, batch, args, pool_take)
+        del services
+    del shard
+    gc.collect()
+    point["mono"] = run_engine(models["standard"], ctx, batch, args)
+    gc.collect()
+    return point
+
+
+def summarize(point: dict, name: str) -> dict:
+    std, qf = point["transports"][name]["standard"], point["transports"][name]["qfirst"]
+    mono = point["mono"]["ms_per_token"]
+    return {"context": point["context"], "batch": point["batch"],
+            "crossover": point.get("crossover", False),
+            "standard_ms": std["ms_per_token"], "qfirst_ms": qf["ms_per_token"],
+            "qfirst_speedup": std["ms_per_token"] / qf["ms_per_token"],
+            "mono_ms": mono, "disagg_speedup_vs_mono": mono / qf["ms_per_token"],
+            "sweep_ms": std["sweep_ms"], "pool_ms": std["pool_ms"],
+            "transport_ms": std["roundtrip_ms"] - std["pool_ms"],
+            "qfirst_wait_ms": qf["wait_ms"], "rest_ms": std["rest_ms"]}
+
+
+def crossover_context(rows: list[dict]) -> int | None:
+    """Context where sweep − pool (per stage) crosses zero: linear between the two measured
+    contexts around the crossing, or extrapolated from the nearest two."""
+    pts = sorted((r["context"], r["sweep_ms"] - r["pool_ms"]) for r in rows)
+    if len(pts) < 2:
+        return None
+    pairs = list(zip(pts, pts[1:]))
+    (x0, y0), (x1, y1) = next(((a, b) for a, b in pairs if a[1] <= 0 <= b[1]),
+                              pairs[0] if pts[0][1] > 0 else pairs[-1])
+    if y1 == y0:
+        return None
+    ctx = x0 - y0 * (x1 - x0) / (y1 - y0)
+    return max(BLOCK, int(round(ctx / BLOCK)) * BLOCK)
+
+
+def find_crossover(points: list[dict], batch: int, ref: str, args, models, transports):
+    """Measure at the interpolated crossover; once more if the sweep there is off the pool
+    by more than 25% (with that point in the interpolation). The last try is marked."""
+    for _ in range(2):
+        rows = [summarize(p, ref) for p in points if p["batch"] == batch]
+        ctx = crossover_context(rows)
+        if ctx is None or any(r["context"] == ctx for r in rows):
+            return
+        print(f"crossover for batch {batch}: context {ctx} (interpolated from {ref} sweeps)",
+              flush=True)
+        p = measure(ctx, batch, args, models, transports)
+        if p is None:
+            return
+        for q in points:
+            if q["batch"] == batch:
+                q.pop("crossover", None)
+        points.append(p)
+        p["crossover"] = True
+        r = summarize(p, ref)
+        if 0.8 <= r["sweep_ms"] / r["pool_ms"] <= 1.25:
+            return
+
+
+def print_table(points: list[dict], name: str) -> None:
+    print(f"\n### transport: {name}\n")
+    print("| context | batch | standard ms/tok | q-first ms/tok | q-first speedup | mono ms/tok "
+          "| disagg speedup vs mono | sweep ms/stage | pool ms/stage | transport ms/stage "
+          "| q-first wait ms/stage | rest ms/stage |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for p in sorted(points, key=lambda p: (p["batch"], p["context"])):
+        r = summarize(p, name)
+        print(f"| {r['context']}{' (crossover)' if r['crossover'] else ''} | {r['batch']} | "
+              f"{r['standard_ms']:.1f} | {r['qfirst_ms']:.1f} | {r['qfirst_speedup']:.2f}x | "
+              f"{r['mono_ms']:.1f} | {r['disagg_speedup_vs_mono']:.2f}x | {r['sweep_ms']:.2f} | "
+              f"{r['pool_ms']:.2f} | {r['transport_ms']:.2f} | {r['qfirst_wait_ms']:.2f} | "
+              f"{r['rest_ms']:.2f} |")
+
+
+def verdict(points: list[dict], name: str) -> dict:
+    rows = [summarize(p, name) for p in points]
+    cross = [r["qfirst_speedup"] for r in rows if r["crossover"]]
+    out = {"lowest_speedup": min(r["qfirst_speedup"] for r in rows),
+           "crossover_speedups": cross,
+           "never_slower": all(r["qfirst_speedup"] >= 1.0 for r in rows),
+           "crossover_at_least_1.3x": bool(cross) and all(s >= 1.3 for s in cross)}
+    note = " (in-process: nothing can overlap, for reference)" if name == "local" else ""
+    print(f"{name}{note}: q-first speedup at the crossover "
+          f"{', '.join(f'{s:.2f}x' for s in cross) or '-'} (target >= 1.30x: "
+          f"{'PASS' if out['crossover_at_least_1.3x'] else 'FAIL'}); lowest anywhere "
+          f"{out['lowest_speedup']:.2f}x (never slower: "
+          f"{'PASS' if out['never_slower'] else 'FAIL'})")
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/zoo/smollm2-135m")
-    parser.add_argument("--contexts", default="512,2048")
-    parser.add_argument("--batches", default="1,4")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--transports", default="local,grpc,nccl")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--engine-threads", type=int, default=2)
+    parser.add_argument("--mem-slack", type=float, default=2.0, help="GiB to leave free")
+    parser.add_argument("--no-crossover", action="store_true")
+    parser.add_argument("--out", default="bench/results/qfirst_overlap.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    names = [n for n in args.transports.split(",") if n]
+    if "nccl" in names:
+        names.remove("nccl")
+        print("nccl: skipped: " + ("no CUDA device here" if not torch.cuda.is_available() else
+              "it joins GPU pool actors (services/common/ray_deploy.py); this benchmark's "
+              "pool is a CPU process"))
+    load = os.getloadavg()
+    print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} (quiet machine: near 0), "
+          f"{available_bytes() / GiB:.1f} GiB free", flush=True)
     tmp = Path(tempfile.mkdtemp())
-    variants = {}
-    for wiring in ("standard", "qfirst"):
-        d = tmp / wiring
-        shutil.copytree(args.model, d)
-        cfg = json.loads((d / "config.json").read_text())
-        cfg["splitstack_wiring"] = wiring
-        (d / "config.json").write_text(json.dumps(cfg))
-        variants[wiring] = d
-    pools = {}
-    for wiring, d in variants.items():
-        proc = subprocess.Popen([sys.executable, "-c", POOL, str(d)], cwd=ROOT,
-                                stdout=subprocess.PIPE, text=True)
-        pools[wiring] = (proc, proc.stdout.readline().strip())
+    models = {w: load_model(wiring_checkpoint(args.model, tmp / w, w)) for w in WIRINGS}
+    transports, proc = {}, None
     try:
-        models = {w: load_model(d) for w, d in variants.items()}
-        print("| cached tokens | batch | standard ms/tok | q-first ms/tok | q-first/standard "
-              "| engine ms/tok |")
-        print("|---|---|---|---|---|---|")
-        for ctx in map(int, args.contexts.split(",")):
-            for batch in map(int, args.batches.split(",")):
-                gen = torch.Generator().manual_seed(ctx + batch)
-                prompts = [torch.randint(0, 49000, (ctx,), generator=gen).tolist()
-                           for _ in range(batch)]
-                times = {"standard": [], "qfirst": [], "engine": []}
-                for _ in range(args.repeats):
-                    for wiring, model in models.items():
-                        shard = KVShard(model.config, 0, 1, -(-ctx * batch // 16) + 8 * batch,
-                                        16, model.dtype)
-                        service = AttentionService(
-                            model, [shard], make_transport("grpc", [pools[wiring][1]]),
-                            wiring=wiring, max_num_seqs=batch)
-                        times[wiring].append(decode_ms(service, prompts, args.steps))
-                    engine = LLMEngine(models["standard"], EngineConfig(
-                        max_num_batched_tokens=ctx * batch, max_prefill_chunk=ctx))
-                    times["engine"].append(decode_ms(engine, prompts, args.steps))
-                med = {k: statistics.median(v) for k, v in times.items()}
-                print(f"| {ctx} | {batch} | {med['standard']:.1f} | {med['qfirst']:.1f} | "
-                      f"{med['qfirst'] / med['standard']:.2f}x | {med['engine']:.1f} |",
-                      flush=True)
+        for name in names:
+            if name == "local":
+                clock = Clock()
+                transports[name] = (make_transport("local", [TimedPool(models["standard"],
+                                                                       clock)]), clock.take)
+            elif name == "grpc":
+                proc = PoolProcess(str(tmp / "standard"))
+                transports[name] = (make_transport("grpc", [proc.address]), proc.take)
+            else:
+                raise SystemExit(f"unknown transport {name!r}")
+        if not transports:
+            raise SystemExit("no transport to measure")
+        ref = "grpc" if "grpc" in transports else names[0]
+        points = []
+        for batch in map(int, args.batches.split(",")):
+            for ctx in map(int, args.contexts.split(",")):
+                p = measure(ctx, batch, args, models, transports)
+                points += [p] if p else []
+            if not args.no_crossover:
+                find_crossover(points, batch, ref, args, models, transports)
+        for name in transports:
+            print_table(points, name)
+        print()
+        results = {"args": vars(args), "torch": torch.__version__, "cpus": os.cpu_count(),
+                   "load_average": {"start": load, "end": os.getloadavg()}, "points": points,
+                   "summary": {n: [summarize(p, n) for p in points] for n in transports},
+                   "verdict": {n: verdict(points, n) for n in transports if points}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+        print(f"\nload average at the end {os.getloadavg()[0]:.2f}; wrote {args.out}")
     finally:
-        for proc, _ in pools.values():
-            proc.kill()
+        for transport, _ in transports.values():
+            for replica in transport.replicas:
+                getattr(replica, "close", lambda: None)()
+        if proc is not None:
+            proc.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

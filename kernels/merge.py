@@ -48,9 +48,16 @@ def combine_current(o_prev: torch.Tensor, lse_prev: torch.Tensor, q: torch.Tenso
         s_jj = q·k_j / sqrt(D);  w = sigmoid(lse_<j − s_jj);  O = (1 − w) v_j + w O_<j
     """
     n, h, d = q.shape
-    g = h // k_cur.shape[1]
+    kvh = k_cur.shape[1]
     scale = d ** -0.5 if scale is None else scale
-    k = k_cur.float().repeat_interleave(g, dim=1)
-    v = v_cur.float().repeat_interleave(g, dim=1)
-    s_jj = (q.float() * k).sum(-1) * scale                              # [N, H]
-    return merge(o_prev, lse_prev, v, s_jj)
+    # GQA as views: query head j*G + i reads KV head j, so [N, H] is [N, KV, G]
+    k, v = k_cur.float()[:, :, None], v_cur.float()[:, :, None]           # [N, KV, 1, D]
+    s_jj = (q.float().reshape(n, kvh, -1, d) * k).sum(-1).mul_(scale)    # [N, KV, G]
+    lse_c = lse_prev.float().reshape(s_jj.shape)
+    o_c = o_prev.float().reshape(n, kvh, -1, d)
+    w = torch.sigmoid(lse_c - s_jj)[..., None]                          # weight of the cache
+    o = torch.lerp(v.expand_as(o_c), o_c, w)
+    empty = lse_c == NEG_INF
+    if empty.any():          # an empty cache's O is arbitrary (even NaN): select it away
+        o = torch.where(empty[..., None], v, o)
+    return o.reshape(n, h, d), torch.logaddexp(lse_c, s_jj).reshape(n, h)

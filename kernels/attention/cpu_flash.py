@@ -2,12 +2,21 @@
 
 GQA is folded into the query length (`[B, KV, G*Tq, D]` against `[B, KV, Tk, D]`) so K and V
 are never repeated; the mask is repeated G times instead.
+
+Decode rows (Tq = 1) of a paged cache see a prefix of their block table. `run_paged` reads
+each stretch of consecutive block ids ("run") in place and merges the runs' `(O, lse)`
+(`segments_lse`), instead of gathering every key into a copy first:
+
+    table  [7 8 9 | 3 | 12 13]   kv_len 90, block_size 16  ->  runs (7, 48) (3, 16) (12, 26)
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.attention.naive import PagedPlan, gather_plan, key_mask, plan_paged
+from kernels.merge import merge
+
+MAX_RUNS = 16       # a table more fragmented than this is gathered instead
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -47,9 +56,54 @@ def attention_lse(q, k, v, *, kv_lens=None, q_start=None, causal=True, scale=Non
     return o, lse.float()
 
 
+def segments_lse(q, segments, *, scale=None):
+    """q [Tq, H, D] attending to every key of `segments`, pairs of K, V [T_i, KV, D] (any
+    strides but the last: views of a paged cache), merged over segments.
+    Returns (O [Tq, H, D] fp32, lse [Tq, H] fp32); no segment gives lse = −inf, O = 0."""
+    o = lse = None
+    for k, v in segments:
+        o_s, lse_s = attention_lse(q[None], k[None], v[None], causal=False, scale=scale)
+        o_s, lse_s = o_s[0].float(), lse_s[0]
+        o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
+    if o is None:
+        return torch.zeros(q.shape), torch.full(q.shape[:2], float("-inf"))
+    return o, lse
+
+
+def block_runs(table: list[int], num_keys: int, block_size: int) -> list[tuple[int, int]]:
+    """(first block id, keys) of each run of consecutive block ids holding keys [0, num_keys)."""
+    runs: list[tuple[int, int]] = []
+    for j in range(-(-num_keys // block_size)):
+        keys = min(block_size, num_keys - j * block_size)
+        if runs and runs[-1][0] + runs[-1][1] // block_size == table[j] \
+                and runs[-1][1] % block_size == 0:
+            runs[-1] = (runs[-1][0], runs[-1][1] + keys)
+        else:
+            runs.append((table[j], keys))
+    return runs
+
+
 def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
-    return attention_lse(q, gather_plan(k_cache, plan), gather_plan(v_cache, plan),
-                         mask=plan.mask, scale=scale)
+    if q.shape[1] != 1 or q.device.type != "cpu":
+        return attention_lse(q, gather_plan(k_cache, plan), gather_plan(v_cache, plan),
+                             mask=plan.mask, scale=scale)
+    bs = k_cache.shape[1]
+    if plan.runs is None:             # once per step; every layer reuses it
+        lens = plan.mask[:, 0].sum(-1).tolist()       # a decode row sees a prefix
+        plan.runs = [block_runs(t, n, bs) for t, n in zip(plan.block_tables.tolist(), lens)]
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)      # [slots, KV, D]
+    o = torch.empty(q.shape, dtype=torch.float32)
+    lse = torch.empty(q.shape[:3])
+    for b, runs in enumerate(plan.runs):
+        if len(runs) > MAX_RUNS:
+            n = sum(keys for _, keys in runs)
+            idx = plan.gather[b, :n]
+            segments = [(k_flat[idx], v_flat[idx])]
+        else:
+            segments = [(k_flat[first * bs:first * bs + keys], v_flat[first * bs:first * bs + keys])
+                        for first, keys in runs]
+        o[b], lse[b] = segments_lse(q[b], segments, scale=scale)
+    return o, lse
 
 
 def paged_attention_lse(q, k_cache, v_cache, block_tables, kv_lens, q_start=None, *,

@@ -70,6 +70,7 @@ class PagedPlan:
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     q_start: torch.Tensor
+    runs: list | None = None     # backends reading blocks in place cache their layout here
 
 
 def plan_paged(block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, tq: int,

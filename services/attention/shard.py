@@ -20,12 +20,11 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import cpu_flash, naive
-from kernels.merge import merge
 from models.config import ModelConfig
 from services.engine.block_manager import BlockManager
 
-MAX_RUNS = 16       # a table more fragmented than this is gathered once instead
-ROW_CHUNK = 256     # masked (prompt) rows per kernel call, to bound the mask's memory
+MAX_RUNS = cpu_flash.MAX_RUNS   # a table more fragmented than this is gathered instead
+ROW_CHUNK = 256                 # masked (prompt) rows per kernel call: bounds the mask
 
 
 class KVShard:
@@ -43,11 +42,6 @@ class KVShard:
 
     def owns(self, positions: torch.Tensor) -> torch.Tensor:
         return (positions // self.block_size) % self.num_shards == self.index
-
-    def _local(self, positions: torch.Tensor) -> torch.Tensor:
-        """Absolute positions (owned here) -> local position index within the sequence."""
-        local_block = (positions // self.block_size) // self.num_shards
-        return local_block * self.block_size + positions % self.block_size
 
     def _num_local(self, limit: int) -> int:
         """How many of a sequence's keys here sit at positions < `limit` (a prefix of them)."""
@@ -82,18 +76,21 @@ class KVShard:
     def append(self, layer: int, seq_ids: list[int], positions: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
         """Store rows whose positions this shard owns (others are ignored)."""
-        mine = self.owns(positions)
-        if not mine.any():
+        bs, shards = self.block_size, self.num_shards
+        rows, slots = [], []
+        for r, (seq, p) in enumerate(zip(seq_ids, positions.tolist())):
+            if (p // bs) % shards == self.index:
+                rows.append(r)
+                slots.append(self.tables[seq][p // bs // shards] * bs + p % bs)
+        if not rows:
             return
         i = self.fa_index[layer]
-        local = self._local(positions[mine])
-        tables = [self.tables[s] for s, m in zip(seq_ids, mine.tolist()) if m]
-        slots = torch.tensor([t[int(p) // self.block_size] * self.block_size
-                              + int(p) % self.block_size for t, p in zip(tables, local)],
-                             device=self.kv.device)
+        if len(rows) < len(seq_ids):
+            k, v = k[rows], v[rows]
+        idx = torch.tensor(slots, device=self.kv.device)
         kvh, d = self.kv.shape[2], self.kv.shape[-1]
-        self.kv[0, i].view(kvh, -1, d)[:, slots] = k[mine].transpose(0, 1).to(self.kv)
-        self.kv[1, i].view(kvh, -1, d)[:, slots] = v[mine].transpose(0, 1).to(self.kv)
+        self.kv[0, i].view(kvh, -1, d).index_copy_(1, idx, k.transpose(0, 1).to(self.kv))
+        self.kv[1, i].view(kvh, -1, d).index_copy_(1, idx, v.transpose(0, 1).to(self.kv))
 
     def _groups(self, seq_ids: list[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
@@ -153,17 +150,10 @@ class KVShard:
 
     def _sweep_keys(self, i: int, seq: int, q: torch.Tensor, n: int):
         """Rows q [r, H, D] that all see the first `n` local keys -> (O [r, H, D], lse [r, H])."""
-        if len(self.runs[seq]) > MAX_RUNS:
-            segs = [self._keys(i, seq, n)]
-        else:
-            segs = self._segments(i, seq, n)
-        o = lse = None
-        for k, v in segs:
-            o_s, lse_s = cpu_flash.attention_lse(q[None], k.transpose(0, 1)[None],
-                                                 v.transpose(0, 1)[None], causal=False)
-            o_s, lse_s = o_s[0].float(), lse_s[0]
-            o, lse = (o_s, lse_s) if o is None else merge(o, lse, o_s, lse_s)
-        return o, lse
+        segs = ([self._keys(i, seq, n)] if len(self.runs[seq]) > MAX_RUNS
+                else self._segments(i, seq, n))
+        return cpu_flash.segments_lse(q, [(k.transpose(0, 1), v.transpose(0, 1))
+                                          for k, v in segs])
 
     def sweep_reference(self, layer: int, seq_ids: list[int], q: torch.Tensor,
                         limits: torch.Tensor):
