@@ -66,14 +66,20 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
         return pb.Empty()
 
 
-def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 4,
-               nccl=None):
-    """Start a gRPC server for `pool` (`nccl`: its `PoolNcclEndpoint`, for the nccl
-    transport); returns (server, bound address)."""
+def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,
+               nccl=None, batching: bool = True):
+    """Start a gRPC server for `pool`; returns (server, bound address).
+
+    Each client's stream holds one handler thread, so `max_workers` caps the cache-side
+    clients. `batching`: concurrent calls from different clients run as one forward
+    (`BatchingPool`). `nccl`: the replica's `PoolNcclEndpoint`, for the nccl transport."""
+    from services.mlp_pool.batcher import BatchingPool
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_send_message_length", 512 << 20),
                                   ("grpc.max_receive_message_length", 512 << 20)])
-    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(pool, nccl), server)
+    runner = BatchingPool(pool) if batching else pool
+    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl), server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"
