@@ -203,20 +203,22 @@ def crossover_context(rows: list[dict]) -> int | None:
 def find_crossover(points: list[dict], batch: int, ref: str, args, models, transports):
     """Measure at the interpolated crossover; once more if the sweep there is off the pool
     by more than 25% (with that point in the interpolation). The last try is marked."""
+    mine = [p for p in points if p["batch"] == batch]
     for _ in range(2):
-        rows = [summarize(p, ref) for p in points if p["batch"] == batch]
-        ctx = crossover_context(rows)
-        if ctx is None or any(r["context"] == ctx for r in rows):
+        ctx = crossover_context([summarize(p, ref) for p in mine])
+        if ctx is None:
             return
         print(f"crossover for batch {batch}: context {ctx} (interpolated from {ref} sweeps)",
               flush=True)
-        p = measure(ctx, batch, args, models, transports)
+        p = next((p for p in mine if p["context"] == ctx), None)
         if p is None:
-            return
-        for q in points:
-            if q["batch"] == batch:
-                q.pop("crossover", None)
-        points.append(p)
+            p = measure(ctx, batch, args, models, transports)
+            if p is None:
+                return
+            points.append(p)
+            mine.append(p)
+        for q in mine:
+            q.pop("crossover", None)
         p["crossover"] = True
         r = summarize(p, ref)
         if 0.8 <= r["sweep_ms"] / r["pool_ms"] <= 1.25:
