@@ -5,10 +5,11 @@
                                    [--engine-threads 2] [--out bench/results/qfirst_overlap.json]
 
 Where things run (DESIGN.md, "Q-First decode protocol"):
-- `grpc`: the pool (`MLPPool` behind `serve_pool`) runs in a child process with one torch
-  thread; the attention service (cache side) runs here with one torch thread, so on two
-  cores q-first's sweep runs while the pool computes the feed-forward. One pool process
-  serves both wirings: a pool stage is the same computation under either.
+- `grpc`: the pool (`MLPPool` behind `serve_pool`, as deployed: its cross-client batcher
+  sees one client here) runs in a child process with one torch thread; the attention
+  service (cache side) runs here with one torch thread, so on two cores q-first's sweep
+  runs while the pool computes the feed-forward. One pool process serves both wirings: a
+  pool stage is the same computation under either.
 - `local`: the pool in this process; `submit` runs the call at once, so nothing overlaps.
   It is the baseline the breakdown needs.
 - `nccl`: GPU actors only; skipped with a note (this benchmark's pool is a CPU process).
@@ -135,7 +136,7 @@ def run_engine(model, ctx: int, batch: int, args) -> dict:
         engine.step()                 # admits all with `ctx` cached; computes the last token
         fill_random(engine.cache.kv)
         times = []
-        for i in range(args.warmup + args.steps):
+        for _ in range(args.warmup + args.steps):
             t = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t)
