@@ -55,7 +55,6 @@ class ClusterBackend:
             raise ValueError("the gateway needs at least one attention service")
         self.endpoints = [_Endpoint(a) for a in addresses]
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
-        self.streams = self.calls            # what the gateway counts as running
         self._ids = itertools.count()
         self._turn = itertools.count()
         self._usage = 0.0
