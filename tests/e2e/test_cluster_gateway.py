@@ -131,6 +131,27 @@ def test_bad_requests_get_4xx_and_service_keeps_serving(cluster, body, status, p
     assert ok.status_code == 200
 
 
+def test_client_disconnect_cancels_the_request_and_frees_its_kv(cluster, ray_session):
+    import time
+
+    base, handles = cluster
+    body = {"model": "smollm2-135m", "prompt": prompt_ids()[1], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass                              # one token is out: the request holds KV
+        used = [sum(t - f for f, t in ray_session.get(a.blocks.remote()))
+                for a in handles.attention]
+        assert sum(used) > 0
+    deadline = time.time() + 30               # hung up long before 400 tokens
+    while time.time() < deadline:
+        if all(f == t for a in handles.attention for f, t in ray_session.get(a.blocks.remote())):
+            break
+        time.sleep(0.2)
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
 def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_session):
     base, handles = cluster
     results = concurrently(base, on_started=lambda: ray_session.kill(handles.pools[0]))
