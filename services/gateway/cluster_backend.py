@@ -15,6 +15,7 @@ import logging
 import time
 
 import grpc
+from prometheus_client import Gauge
 
 from services.attention.server import params_to_proto
 from services.common.pb import splitstack_pb2 as pb
@@ -50,9 +51,20 @@ class _Endpoint:
 class ClusterBackend:
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
 
-    def __init__(self, addresses: list[str]):
+    def __init__(self, addresses: list[str], registry=None):
+        """`registry`: where the per-service gauges go (the gateway's, for /metrics)."""
         if not addresses:
             raise ValueError("the gateway needs at least one attention service")
+        self.gauges = None
+        if registry is not None:
+            self.gauges = {
+                name: Gauge(f"splitstack_attention_{name}", doc, ["service"], registry=registry)
+                for name, doc in (
+                    ("up", "1 while the attention service answers, else 0"),
+                    ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard"),
+                    ("requests_running", "Requests decoding on the attention service"),
+                    ("requests_waiting", "Requests waiting for KV on the attention service"),
+                    ("pool_retries", "Pool calls the attention service retried elsewhere"))}
         self.endpoints = [_Endpoint(a) for a in addresses]
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self._ids = itertools.count()
@@ -172,6 +184,15 @@ class ClusterBackend:
             except grpc.aio.AioRpcError as err:
                 self._mark_down(ep, err)
         self._usage = max((s.kv_usage for s in stats), default=0.0)
+        if self.gauges is not None:
+            for ep in self.endpoints:
+                self.gauges["up"].labels(ep.address).set(ep.down_since is None)
+            for st, ep in zip(stats, [e for e in self.endpoints if e.down_since is None]):
+                for name, value in (("kv_cache_usage_ratio", st.kv_usage),
+                                    ("requests_running", st.running),
+                                    ("requests_waiting", st.waiting),
+                                    ("pool_retries", st.pool_retries)):
+                    self.gauges[name].labels(ep.address).set(value)
         return stats
 
     def shutdown(self) -> None:

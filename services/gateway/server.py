@@ -67,7 +67,8 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     model_dir = Path(config.model)
     init_ray(address, num_cpus=num_cpus)
     cluster = deploy(config)
-    gateway = Gateway(ClusterBackend(cluster.attention_addresses), load_tokenizer(model_dir),
-                      served_name or model_dir.name, cluster.max_model_len,
-                      default_temperature(model_dir), metrics=GatewayMetrics())
+    metrics = GatewayMetrics()
+    gateway = Gateway(ClusterBackend(cluster.attention_addresses, metrics.registry),
+                      load_tokenizer(model_dir), served_name or model_dir.name,
+                      cluster.max_model_len, default_temperature(model_dir), metrics=metrics)
     return build_app(gateway), cluster

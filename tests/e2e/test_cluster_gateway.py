@@ -104,6 +104,9 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     assert_no_leaks(ray_session, handles, alive=[0, 1])
     metrics = httpx.get(base + "/metrics").text
     assert "splitstack_kv_cache_usage_ratio" in metrics
+    for address in handles.attention_addresses:          # one series per attention service
+        assert f'splitstack_attention_up{{service="{address}"}} 1.0' in metrics
+        assert f'splitstack_attention_requests_running{{service="{address}"}} 0.0' in metrics
 
 
 @pytest.mark.parametrize("body,status,param", [
