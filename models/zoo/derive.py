@@ -1,13 +1,17 @@
 """Derived checkpoints built from SmolLM2 by the project's own tools (`splitstack derive`).
 
 `smollm2-qknorm` (Qwen3 family): per-head RMSNorm inserted on q and k of every layer.
-  1. calibrate: each norm weight is the least-squares fit of the raw projection from its
-     normalised version on calibration text, w_d = Σ q_d n_d / Σ n_d² with n = q / rms(q),
-     so the normed q/k keep their typical per-channel scale;
+  1. calibrate (`calibrate_qk`, the ballast pair of `hybrid_init.fit_ballast_qk`): per layer
+     the rotary pair with the least q·k energy is given up; its q/k rows are refitted so every
+     head's q and k have a near-constant norm, its q_norm weight is zero (and stays zero in
+     training), and the other norm weights are the least-squares w_d = Σ q_d n_d / Σ n_d²
+     with n = q / rms(q). Plain least-squares norms without the ballast pair move the
+     attention mass off the sink token (its key is about half the typical norm);
   2. recover: distil against the parent's logits (KL), training only the norm weights and
      rank-r LoRA factors on q_proj / k_proj; everything else stays frozen;
-  3. store the delta (norm weights + LoRA factors, a few MB) in `models/zoo/deltas/`;
-     `apply_qknorm` rebuilds the full checkpoint from the parent and the delta.
+  3. store the delta in `models/zoo/deltas/`: norm weights, LoRA factors and the ballast rows
+     of q_proj / k_proj with their row indices, all fp32; `apply_qknorm` rebuilds the full
+     checkpoint from the parent and the delta.
 """
 from __future__ import annotations
 
@@ -24,8 +28,10 @@ from torch import nn
 from models.config import ModelConfig
 from models.loader import load_model, read_state_dict
 from models.model import CausalLM
+from models.zoo.hybrid_init import fit_ballast_qk
 
 DELTA_DIR = Path(__file__).with_name("deltas")
+DELTA = DELTA_DIR / "smollm2-qknorm.safetensors"
 
 
 class LoraLinear(nn.Module):
@@ -85,30 +91,37 @@ def build_child(parent_dir: Path, norms: dict[str, torch.Tensor]) -> tuple[Causa
     return child.eval(), cfg_dict
 
 
+def ballast_rows(dims: list[int], heads: int, head_dim: int) -> torch.Tensor:
+    """Row indices of the ballast dims in every head of a [heads·D, h] projection."""
+    return (torch.arange(heads)[:, None] * head_dim + torch.tensor(dims)[None]).flatten()
+
+
 @torch.no_grad()
-def calibrate_norms(parent: CausalLM, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def calibrate_qk(parent: CausalLM, batches: list[torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
+    """Ballast-pair init of every layer: the child's q/k projections and norm weights, and
+    each layer's ballast dims [p, p + D/2]."""
     cfg = parent.config
-    eps = cfg.rms_norm_eps
-    sums = {}
+    xns = [[] for _ in range(cfg.num_hidden_layers)]
     for ids in batches:
         x = parent.embed(ids)
         pos = torch.arange(ids.shape[1]).expand_as(ids)
         for l in range(cfg.num_hidden_layers):
-            attn = parent.layer(l).self_attn
-            xn = parent.norm_in(l, x)
-            for name, proj, heads in (("q", attn.q_proj, cfg.num_attention_heads),
-                                      ("k", attn.k_proj, cfg.num_key_value_heads)):
-                raw = proj(xn).view(-1, cfg.head_dim)                     # [N·heads, D]
-                n = raw * torch.rsqrt(raw.pow(2).mean(-1, keepdim=True) + eps)
-                num, den = sums.get((l, name), (0.0, 0.0))
-                sums[(l, name)] = (num + (raw * n).sum(0), den + n.pow(2).sum(0))
+            xns[l].append(parent.norm_in(l, x).flatten(0, 1))                # [B·T, h]
             a = parent.attn_inputs(l, x, pos)
             o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
                                                a.v.transpose(1, 2), is_causal=True,
                                                enable_gqa=True).transpose(1, 2)
             x = parent.mlp(l, parent.attn_output(l, x, o, a.gate))
-    return {f"model.layers.{l}.self_attn.{name}_norm.weight": num / den
-            for (l, name), (num, den) in sums.items()}
+    state, pairs = {}, []
+    for l in range(cfg.num_hidden_layers):
+        attn, p = parent.layer(l).self_attn, f"model.layers.{l}.self_attn."
+        wq, wk, q_norm, k_norm, dims = fit_ballast_qk(attn.q_proj.weight, attn.k_proj.weight,
+                                                      torch.cat(xns[l]), cfg)
+        state.update({p + "q_proj.weight": wq, p + "k_proj.weight": wk,
+                      p + "q_norm.weight": q_norm, p + "k_norm.weight": k_norm})
+        pairs.append(dims)
+    return state, pairs
 
 
 def needle_batch(tok, filler: list[int], seq_len: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +142,10 @@ def needle_batch(tok, filler: list[int], seq_len: int, rng) -> tuple[torch.Tenso
 
 def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 120,
                   seq_len: int = 384, rank: int = 16, lr: float = 2e-3, seed: int = 0,
-                  needle_frac: float = 0.0, log=print) -> dict:
+                  needle_frac: float = 0.0, delta_path: str | Path = DELTA,
+                  log=print) -> dict:
     """Calibrate + distil; writes the delta and the full checkpoint. Returns the recipe.
+    `steps=0` gives the calibration-only checkpoint.
 
     With `needle_frac` > 0, that share of the batches are retrieval items built from the
     calibration split with the answer appended; the KL on the answer tokens is added to
@@ -151,14 +166,17 @@ def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 1
     windows = ids[: n_windows * seq_len].view(n_windows, seq_len)
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
     start = time.perf_counter()
-    norms = calibrate_norms(parent, [windows[order[i]][None] for i in range(4)])
-    log(f"[derive] calibrated {len(norms)} norm weights in {time.perf_counter() - start:.0f}s")
-    child, cfg_dict = build_child(parent_dir, norms)
+    init, pairs = calibrate_qk(parent, [windows[order[i]][None] for i in range(4)])
+    log(f"[derive] calibrated {len(pairs)} layers in {time.perf_counter() - start:.0f}s")
+    child, cfg_dict = build_child(parent_dir, init)
     child.requires_grad_(False)
     trainable = []
     for l in range(child.config.num_hidden_layers):
         attn = child.layer(l).self_attn
+        keep = torch.ones(child.config.head_dim)
+        keep[pairs[l]] = 0.0                       # the ballast pair never enters q·k
         attn.q_norm.weight.requires_grad_(True)
+        attn.q_norm.weight.register_hook(lambda g, keep=keep: g * keep)
         attn.k_norm.weight.requires_grad_(True)
         trainable += [attn.q_norm.weight, attn.k_norm.weight]
         attn.q_proj = LoraLinear(attn.q_proj, rank, seed + 2 * l)
@@ -187,43 +205,55 @@ def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 1
         losses.append(loss.item())
         if step % 10 == 0 or step == steps - 1:
             log(f"[derive] step {step}: KL {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+    cfg = child.config
     delta = {}
-    for l in range(child.config.num_hidden_layers):
+    for l in range(cfg.num_hidden_layers):
         attn = child.layer(l).self_attn
         p = f"model.layers.{l}.self_attn"
         delta[f"{p}.q_norm.weight"] = attn.q_norm.weight.detach().clone()
         delta[f"{p}.k_norm.weight"] = attn.k_norm.weight.detach().clone()
-        for name in ("q_proj", "k_proj"):
+        for name, heads in (("q_proj", cfg.num_attention_heads),
+                            ("k_proj", cfg.num_key_value_heads)):
             lora = getattr(attn, name)
+            rows = ballast_rows(pairs[l], heads, cfg.head_dim)
+            delta[f"{p}.{name}.ballast_rows"] = rows
+            delta[f"{p}.{name}.ballast"] = lora.base.weight.detach()[rows].clone()
             delta[f"{p}.{name}.lora_A"] = lora.A.detach().clone()
             delta[f"{p}.{name}.lora_B"] = lora.B.detach().clone()
-    recipe = {"name": "smollm2-qknorm", "parent": "smollm2-135m", "steps": steps,
-              "seq_len": seq_len, "rank": rank, "lr": lr, "seed": seed,
+    recipe = {"name": "smollm2-qknorm", "parent": "smollm2-135m", "init": "ballast pair",
+              "steps": steps, "seq_len": seq_len, "rank": rank, "lr": lr, "seed": seed,
               "needle_frac": needle_frac,
               "data": "python-stdlib-docstrings (calib split)", "objective": "KL to parent",
-              "kl_first": losses[0], "kl_last10": sum(losses[-10:]) / min(10, len(losses)),
+              "kl_first": losses[0] if losses else None,
+              "kl_last10": sum(losses[-10:]) / len(losses[-10:]) if losses else None,
               "seconds": round(time.perf_counter() - start)}
-    DELTA_DIR.mkdir(exist_ok=True)
-    save_file(delta, str(DELTA_DIR / "smollm2-qknorm.safetensors"),
-              metadata={"recipe": json.dumps(recipe)})
-    apply_qknorm(parent_dir, out_dir)
+    Path(delta_path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(delta, str(delta_path), metadata={"recipe": json.dumps(recipe)})
+    apply_qknorm(parent_dir, out_dir, delta_path)
     return recipe
 
 
 def apply_qknorm(parent_dir: str | Path, out_dir: str | Path,
                  delta_path: str | Path | None = None) -> Path:
-    """Rebuild the full smollm2-qknorm checkpoint from the parent and the stored delta."""
+    """Rebuild the full smollm2-qknorm checkpoint from the parent and the stored delta:
+    ballast rows first, then the LoRA merged in float64 so the rebuild does not depend on
+    the thread count."""
     import shutil
 
     parent_dir, out_dir = Path(parent_dir), Path(out_dir)
-    delta = load_file(str(delta_path or DELTA_DIR / "smollm2-qknorm.safetensors"))
+    delta = load_file(str(delta_path or DELTA))
     state = read_state_dict(parent_dir, torch.float32)
     for key, value in delta.items():
+        if key.endswith(".ballast"):
+            base = key[: -len(".ballast")]
+            state[base + ".weight"][delta[base + ".ballast_rows"]] = value
+        elif not key.endswith((".ballast_rows", ".lora_A", ".lora_B")):
+            state[key] = value
+    for key, a in delta.items():
         if key.endswith(".lora_A"):
             base = key[: -len(".lora_A")] + ".weight"
-            state[base] = state[base] + delta[key[:-1] + "B"] @ value
-        elif not key.endswith(".lora_B"):
-            state[key] = value
+            b = delta[key[:-1] + "B"]
+            state[base] = (state[base].double() + b.double() @ a.double()).float()
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -162,11 +162,17 @@ def _norm_weight(raw: torch.Tensor, src: torch.Tensor, eps: float) -> torch.Tens
     return (raw * n).sum(0) / n.pow(2).sum(0)
 
 
-def fit_attention(attn, xn: torch.Tensor, cfg: ModelConfig, prefix: str) -> dict:
-    """Gated, QK-normed attention initialised to reproduce the parent's (ballast pair)."""
-    H, KV, D, h, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                        cfg.hidden_size, cfg.rms_norm_eps)
-    wq, wk = attn.q_proj.weight, attn.k_proj.weight
+def fit_ballast_qk(wq: torch.Tensor, wk: torch.Tensor, xn: torch.Tensor,
+                   cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor, list[int]]:
+    """Per-head QK RMSNorm that reproduces the parent's q·k (ballast pair).
+
+    xn [N, h] the parent's attention inputs; wq [H·D, h], wk [KV·D, h] its projections.
+    Returns the refitted wq, wk (only the ballast rows `dims` of each head change), the plain
+    (not zero-centred) q_norm / k_norm weights [D] and `dims`, the rotary pair [p, p + D/2]
+    of the half-split layout (`models.rope`) that carries the least q·k energy."""
+    H, KV, D, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                     cfg.rms_norm_eps)
     q, k = (xn @ wq.T).view(-1, H, D), (xn @ wk.T).view(-1, KV, D)
     energy = (q.pow(2).mean((0, 1)).view(2, D // 2).sum(0)
               * k.pow(2).mean((0, 1)).view(2, D // 2).sum(0))
@@ -176,6 +182,13 @@ def fit_attention(attn, xn: torch.Tensor, cfg: ModelConfig, prefix: str) -> dict
     q_norm = _norm_weight(q.reshape(-1, D), (xn @ wq.T).view(-1, D), eps)
     k_norm = _norm_weight(k.reshape(-1, D), (xn @ wk.T).view(-1, D), eps)
     q_norm[dims], k_norm[dims] = 0.0, 1.0
+    return wq, wk, q_norm, k_norm, dims
+
+
+def fit_attention(attn, xn: torch.Tensor, cfg: ModelConfig, prefix: str) -> dict:
+    """Gated, QK-normed attention initialised to reproduce the parent's (ballast pair)."""
+    H, D, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    wq, wk, q_norm, k_norm, _ = fit_ballast_qk(attn.q_proj.weight, attn.k_proj.weight, xn, cfg)
     return {prefix + "q_proj.weight": torch.cat([wq.view(H, D, h), torch.zeros(H, D, h)],
                                                 1).reshape(2 * H * D, h),
             prefix + "k_proj.weight": wk,

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from models import load_model
-from models.zoo.derive import DELTA_DIR, LoraLinear
+from models.zoo.derive import DELTA, DELTA_DIR, LoraLinear, apply_qknorm
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 
@@ -33,11 +33,32 @@ def test_qknorm_checkpoint_loads_in_hf_and_matches():
     assert not torch.allclose(w, torch.ones_like(w))
 
 
+def test_qknorm_delta_rebuilds_the_checkpoint_exactly(tmp_path):
+    """`apply-qknorm` (what make setup runs) reproduces the zoo checkpoint bit for bit, the
+    ballast rows included, and each layer's ballast pair stays out of q·k."""
+    from safetensors.torch import load_file
+
+    rebuilt = load_file(str(apply_qknorm(ZOO / "smollm2-135m", tmp_path / "qk")
+                            / "model.safetensors"))
+    zoo = load_file(str(ZOO / "smollm2-qknorm" / "model.safetensors"))
+    assert rebuilt.keys() == zoo.keys()
+    assert all(torch.equal(rebuilt[k], zoo[k]) for k in zoo)
+    delta = load_file(str(DELTA))
+    for key, rows in delta.items():
+        if key.endswith("q_proj.ballast_rows"):
+            d = zoo[key.replace("q_proj.ballast_rows", "q_norm.weight")].shape[0]
+            assert rows.numel() == 2 * zoo[key.replace("ballast_rows", "weight")].shape[0] // d
+            dims = rows[:2].tolist()
+            assert dims[1] == dims[0] + d // 2          # one half-split rotary pair
+            assert torch.all(zoo[key.replace("q_proj.ballast_rows", "q_norm.weight")][dims] == 0)
+
+
 def test_qknorm_distillation_recovers_the_parent():
-    """On held-out text the distilled child is far closer to the parent than the
-    calibration-only child it started from."""
+    """On held-out text the ballast-pair calibration alone keeps the child close to the
+    parent (plain least-squares QK-norm was at KL 1.45), and the distilled child is closer
+    still."""
     from evals.corpus import documents
-    from models.zoo.derive import build_child, calibrate_norms
+    from models.zoo.derive import build_child, calibrate_qk
     from services.common.tokenizer import load_tokenizer
 
     parent_dir = ZOO / "smollm2-135m"
@@ -46,8 +67,8 @@ def test_qknorm_distillation_recovers_the_parent():
     ids = encode(documents("eval")[3].text)
     parent = load_model(parent_dir)
     trained = load_model(ZOO / "smollm2-qknorm")
-    calibrated, _ = build_child(parent_dir, calibrate_norms(parent,
-                                                            [encode(documents("calib")[5].text)]))
+    calibrated, _ = build_child(parent_dir, calibrate_qk(parent,
+                                                         [encode(documents("calib")[5].text)])[0])
     ref = torch.log_softmax(parent.forward(ids), -1)
 
     def kl(model):
@@ -57,8 +78,9 @@ def test_qknorm_distillation_recovers_the_parent():
     def loss(model):
         return torch.nn.functional.cross_entropy(model.forward(ids)[0, :-1], ids[0, 1:]).item()
 
-    assert kl(trained) < 0.5 and kl(trained) < 0.35 * kl(calibrated)
-    assert loss(trained) - loss(parent) < 0.3
+    assert kl(calibrated) < 0.1                     # measured 0.036 (0.025 from 4 windows)
+    assert kl(trained) < 0.05 and kl(trained) < kl(calibrated)          # measured 0.020
+    assert abs(loss(trained) - loss(parent)) < 0.05
 
 
 def test_lora_merge_equals_factored_forward():
