@@ -40,7 +40,7 @@ from services.engine.engine import StepOutput
 from services.engine.sequence import GenerationParams, RequestError
 
 
-@dataclass
+@dataclass(eq=False)     # identity: membership tests must not compare tensors
 class Request:
     seq_id: int
     prompt_ids: list[int]
