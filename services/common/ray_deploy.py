@@ -41,7 +41,7 @@ class ClusterConfig:
     max_num_seqs: int = 16
     dtype: str = "float32"
     threads: int = 1                   # torch threads per actor
-    host: str = "127.0.0.1"            # where actors bind their gRPC servers
+    host: str = "127.0.0.1"            # where actors bind gRPC (0.0.0.0: all, node IP shown)
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)
 
     def __post_init__(self):
@@ -75,6 +75,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
              _temp_dir=str(temp), _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
+def _advertised(address: str) -> str:
+    """A bound `host:port` as peers should dial it: a wildcard bind (0.0.0.0, on a
+    multi-node cluster) is advertised as this node's IP."""
+    host, port = address.rsplit(":", 1)
+    if host in ("0.0.0.0", "", "[::]"):
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    return f"{host}:{port}"
+
+
 def _load(model_dir: str, dtype: str, side: str, threads: int, device: str = "cpu"):
     import torch
 
@@ -103,7 +114,8 @@ class PoolReplica:
             from services.common.nccl_transport import PoolNcclEndpoint
 
             self.nccl = PoolNcclEndpoint()
-        self.server, self.addr = serve_pool(self.pool, f"{host}:0", nccl=self.nccl)
+        self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl)
+        self.addr = _advertised(bound)
 
     def address(self) -> str:
         return self.addr
@@ -161,8 +173,9 @@ class AttentionReplica:
                                         wiring=c.wiring or cfg.wiring,
                                         max_num_seqs=c.max_num_seqs,
                                         eos_token_ids=eos_token_ids(c.model))
-        self.server, self.addr, self.loop = serve_attention(
+        self.server, bound, self.loop = serve_attention(
             self.service, f"{c.host}:0", name=name, transport=c.transport)
+        self.addr = _advertised(bound)
         self.name = name
 
     def address(self) -> str:

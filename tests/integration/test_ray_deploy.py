@@ -89,3 +89,11 @@ def test_bad_cluster_settings_are_refused():
         ClusterConfig(model="unused", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="attention_shards"):
         ClusterConfig(model="unused", attention_shards=0)
+
+
+def test_wildcard_binds_are_advertised_as_the_node_ip(ray_session):
+    from services.common.ray_deploy import _advertised
+
+    assert _advertised("127.0.0.1:5000") == "127.0.0.1:5000"
+    host, port = _advertised("0.0.0.0:5000").rsplit(":", 1)
+    assert port == "5000" and host == ray_session.util.get_node_ip_address() != "0.0.0.0"
