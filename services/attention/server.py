@@ -19,6 +19,7 @@ from kernels.sampling import SamplingError, SamplingParams
 from services.attention.service import AttentionService
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.step_driver import StepDriver
 from services.engine import GenerationParams, RequestError, StepOutput
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,11 @@ class _Submit:
     error: Exception | None = None
 
 
-class StepLoop:
-    """Drives `service.step()` on its own thread; other threads submit and abort."""
+class StepLoop(StepDriver):
+    """Drives the attention service's steps; gRPC handler threads submit and abort."""
 
     def __init__(self, service: AttentionService):
-        self.service = service
-        self.commands: queue.Queue = queue.Queue()
-        self.subs: dict[int, _Submit] = {}
-        self.steps = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="attention-steps", daemon=True)
-        self.thread.start()
+        super().__init__(service, "attention-steps")
 
     def submit(self, prompt_ids: list[int], params: GenerationParams) -> _Submit:
         sub = _Submit(prompt_ids, params)
@@ -54,50 +49,9 @@ class StepLoop:
             raise sub.error
         return sub
 
-    def abort(self, seq_id: int) -> None:
-        self.commands.put(("abort", seq_id))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.commands.put(("noop", None))
-        self.thread.join(timeout=10)
-
-    def _handle(self, kind: str, arg) -> None:
-        if kind == "add":
-            try:
-                arg.seq_id = self.service.add_request(arg.prompt_ids, arg.params)
-                self.subs[arg.seq_id] = arg
-            except Exception as exc:  # noqa: BLE001 — refused; the caller reports it
-                arg.error = exc
-            arg.done.set()
-        elif kind == "abort" and arg in self.subs:
-            self.service.abort(arg)
-            self._deliver(StepOutput(arg, None, None, True, "abort"))
-
-    def _deliver(self, out: StepOutput) -> None:
-        sub = self.subs.get(out.seq_id)
-        if sub is None:
-            return
+    def _send(self, sub: _Submit, out: StepOutput) -> StepOutput:
         sub.events.put(out)
-        if out.finished:
-            del self.subs[out.seq_id]
-            self.service.pop(out.seq_id)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            block = not self.service.has_unfinished()
-            try:
-                while True:
-                    kind, arg = self.commands.get(block=block, timeout=0.5 if block else None)
-                    self._handle(kind, arg)
-                    block = False
-            except queue.Empty:
-                pass
-            if not self.service.has_unfinished():
-                continue
-            for out in self.service.step():
-                self._deliver(out)
-            self.steps += 1
+        return out
 
 
 def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
@@ -141,13 +95,13 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                 return
 
     def Stats(self, request, context):
-        service = self.loop.service
+        service = self.loop.engine
         total = sum(s.blocks.num_blocks for s in service.shards)
         free = sum(s.blocks.num_free for s in service.shards)
         return pb.AttentionStats(name=self.name, running=len(service.running()),
                                  waiting=len(service.waiting), blocks_total=total,
                                  blocks_free=free, kv_usage=service.kv_usage,
-                                 pool_retries=service.pool.retries, steps=self.loop.steps,
+                                 pool_retries=service.pool.retries, steps=self.loop.stats["steps"],
                                  wiring=service.wiring, transport=self.transport)
 
     def Health(self, request, context):
