@@ -193,23 +193,44 @@ def cmd_convert_qfirst(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(args: argparse.Namespace):
+    """The serve flags of an engine (embedded, or each prefill replica's)."""
+    from services.engine.build import EngineOptions
+    from services.prefill.service import PrefillConfig
+
+    prefill = PrefillConfig(mode=args.prefill_mode, maps_dir=args.maps,
+                            resident=not args.maps_streamed, split=args.split, tail=args.tail,
+                            selector=args.selector, budget=args.budget,
+                            value_rescale=args.value_rescale,
+                            terminal_correction=args.terminal_correction)
+    if not args.prefix_cache and (args.redis_url or args.reuse_filled):
+        raise ValueError("--redis-url and --reuse-filled need --prefix-cache")
+    return EngineOptions(max_num_seqs=args.max_num_seqs,
+                         kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), prefill=prefill,
+                         prefix_cache_bytes=args.prefix_cache_bytes if args.prefix_cache
+                         else None,
+                         prefix_block_size=args.prefix_block_size, redis_url=args.redis_url,
+                         reuse_filled=args.reuse_filled, replay_ratio=args.replay_ratio)
+
+
 def _serve_cluster(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.common.ray_deploy import ClusterConfig
     from services.gateway.server import build_cluster
 
-    if args.prefill_mode != "exact" or args.maps or args.prefix_cache:
-        print("error: RidgeFill and the prefix cache run in the embedded engine; the "
-              "disaggregated deployment serves exact prefill only", file=sys.stderr)
-        return 2
     try:
+        options = _engine_options(args)
+        prefill_replicas = args.prefill_replicas
+        if prefill_replicas is None:    # RidgeFill and the prefix cache need the service
+            prefill_replicas = int(options.ridgefill or options.prefix_cache_bytes is not None)
         config = ClusterConfig(
             model=args.model, attention_shards=args.attention_shards or 1,
             mlp_replicas=args.mlp_replicas or 1, wiring=args.wiring,
             transport=args.transport or "grpc", kv_splits=args.kv_splits,
             kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=args.max_num_seqs,
-            dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu)
+            dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu,
+            prefill_replicas=prefill_replicas, prefill=options)
         app, cluster = build_cluster(config, address=args.address,
                                      served_name=args.served_model_name)
     except ValueError as err:
@@ -217,7 +238,9 @@ def _serve_cluster(args: argparse.Namespace) -> int:
         return 2
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
-          f"shard(s), {config.mlp_replicas} MLP replica(s), {config.transport} transport, "
+          f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
+          f"replica(s) ({args.prefill_mode} prefill"
+          f"{', prefix cache' if args.prefix_cache else ''}), {config.transport} transport, "
           f"{args.wiring or 'checkpoint'} wiring)", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
@@ -230,29 +253,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from services.gateway.server import build_embedded
-    from services.prefill.service import PrefillConfig
 
     if args.disaggregated or args.address or args.attention_shards or args.mlp_replicas \
-            or args.transport or args.wiring:
+            or args.transport or args.wiring or args.prefill_replicas is not None:
         return _serve_cluster(args)
     torch.set_num_threads(args.threads or 2)
-    prefill = PrefillConfig(mode=args.prefill_mode, maps_dir=args.maps,
-                            resident=not args.maps_streamed, split=args.split, tail=args.tail,
-                            selector=args.selector, budget=args.budget,
-                            value_rescale=args.value_rescale,
-                            terminal_correction=args.terminal_correction)
-    if not args.prefix_cache and (args.redis_url or args.reuse_filled):
-        print("error: --redis-url and --reuse-filled need --prefix-cache", file=sys.stderr)
-        return 2
     try:
+        o = _engine_options(args)
         app = build_embedded(args.model, served_name=args.served_model_name,
-                             dtype=DTYPES[args.dtype], max_num_seqs=args.max_num_seqs,
-                             kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                             prefill=prefill,
-                             prefix_cache_bytes=args.prefix_cache_bytes if args.prefix_cache
-                             else None,
-                             prefix_block_size=args.prefix_block_size, redis_url=args.redis_url,
-                             reuse_filled=args.reuse_filled, replay_ratio=args.replay_ratio)
+                             dtype=DTYPES[args.dtype], max_num_seqs=o.max_num_seqs,
+                             kv_cache_bytes=o.kv_cache_bytes, prefill=o.prefill,
+                             prefix_cache_bytes=o.prefix_cache_bytes,
+                             prefix_block_size=o.prefix_block_size, redis_url=o.redis_url,
+                             reuse_filled=o.reuse_filled, replay_ratio=o.replay_ratio)
     except ValueError as err:   # bad prefill or prefix-cache settings, or maps: refuse to start
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -392,6 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     qf.add_argument("--transport", choices=["local", "grpc", "nccl"], default=None,
                     help="attention <-> pool data plane (grpc; nccl needs --gpu)")
     qf.add_argument("--gpu", action="store_true", help="one CUDA device per actor")
+    qf.add_argument("--prefill-replicas", type=int, default=None,
+                    help="prefill service replicas; every prompt is prefilled there, with "
+                         "RidgeFill and the prefix cache as configured below (default: 1 "
+                         "with --maps / --prefill-mode ridgefill / --prefix-cache, else 0: "
+                         "the attention service prefills through the pool)")
     rf = srv.add_argument_group("RidgeFill prefill (requests may override: prefill_mode, "
                                 "ridgefill={...})")
     rf.add_argument("--prefill-mode", choices=["exact", "ridgefill"], default="exact")

@@ -8,10 +8,7 @@ its request is aborted and its KV freed at the next step boundary.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
 
@@ -19,39 +16,20 @@ from kernels.sampling import SamplingError, SamplingParams
 from services.attention.service import AttentionService
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.step_driver import StepDriver
+from services.common.step_driver import QueueDriver
 from services.engine import GenerationParams, RequestError, StepOutput
+from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
+                                     PrefillFailed, PrefillRefused, asks_for_prefill,
+                                     options_to_proto)
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Submit:
-    prompt_ids: list[int]
-    params: GenerationParams
-    events: queue.Queue = field(default_factory=queue.Queue)
-    done: threading.Event = field(default_factory=threading.Event)
-    seq_id: int | None = None
-    error: Exception | None = None
-
-
-class StepLoop(StepDriver):
+class StepLoop(QueueDriver):
     """Drives the attention service's steps; gRPC handler threads submit and abort."""
 
     def __init__(self, service: AttentionService):
         super().__init__(service, "attention-steps")
-
-    def submit(self, prompt_ids: list[int], params: GenerationParams) -> _Submit:
-        sub = _Submit(prompt_ids, params)
-        self.commands.put(("add", sub))
-        sub.done.wait()
-        if sub.error is not None:
-            raise sub.error
-        return sub
-
-    def _send(self, sub: _Submit, out: StepOutput) -> StepOutput:
-        sub.events.put(out)
-        return out
 
 
 def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
@@ -63,24 +41,51 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
 
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
+    """`params.prefill` is a `RemotePrefill` (or None) here: the gateway holds no model."""
     s = params.sampling
     return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                               temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               has_seed=s.seed is not None, seed=s.seed or 0,
                               stop_token_ids=list(params.stop_token_ids),
-                              ignore_eos=params.ignore_eos)
+                              ignore_eos=params.ignore_eos,
+                              prefill=options_to_proto(params.prefill, params.replay_ratio))
+
+
+def _refusal(exc: Exception) -> pb.GenerateEvent:
+    return pb.GenerateEvent(refused=True, finished=True, finish_reason="error", error=str(exc),
+                            error_field=getattr(exc, "field", "") or "")
 
 
 class AttentionServicer(pb_grpc.AttentionServicer):
-    def __init__(self, loop: StepLoop, name: str, transport: str):
-        self.loop, self.name, self.transport = loop, name, transport
+    """`prefill`: a `PrefillClient`; each prompt is then prefilled by the prefill service
+    (exact, RidgeFill, prefix cache) before its request is submitted, else here."""
+
+    def __init__(self, loop: StepLoop, name: str, transport: str,
+                 prefill: PrefillClient | None = None):
+        self.loop, self.name, self.transport, self.prefill = loop, name, transport, prefill
 
     def Generate(self, request, context):
+        prompt = list(request.prompt_ids)
+        extra = {}
         try:
-            sub = self.loop.submit(list(request.prompt_ids), params_from_proto(request))
-        except (RequestError, SamplingError) as exc:
-            yield pb.GenerateEvent(refused=True, finished=True, finish_reason="error",
-                                   error=str(exc), error_field=getattr(exc, "field", "") or "")
+            params = params_from_proto(request)
+            if self.prefill is not None:
+                self.loop.engine.validate(prompt, params)     # before paying for a prefill
+                cancel = CancelHandle()
+                context.add_callback(cancel.cancel)
+                extra["prefilled"] = self.prefill.prefill(prompt, request.prefill, cancel)
+            elif asks_for_prefill(request.prefill):
+                raise RequestError("prefill_mode", request.prefill.mode,
+                                   "this deployment has no prefill service (start it with "
+                                   "--prefill-replicas and --maps)")
+            sub = self.loop.submit(prompt, params, **extra)
+        except (RequestError, SamplingError, PrefillRefused) as exc:
+            yield _refusal(exc)
+            return
+        except PrefillCancelled:
+            return
+        except PrefillFailed as exc:
+            yield pb.GenerateEvent(finished=True, finish_reason="error", error=str(exc))
             return
         seq_id = sub.seq_id
         context.add_callback(lambda: self.loop.abort(seq_id))   # no-op once finished
@@ -102,7 +107,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                  waiting=len(service.waiting), blocks_total=total,
                                  blocks_free=free, kv_usage=service.kv_usage,
                                  pool_retries=service.pool.retries, steps=self.loop.stats["steps"],
-                                 wiring=service.wiring, transport=self.transport)
+                                 wiring=service.wiring, transport=self.transport,
+                                 prefill_retries=self.prefill.retries if self.prefill else 0)
 
     def Health(self, request, context):
         if not self.loop.thread.is_alive():
@@ -112,12 +118,13 @@ class AttentionServicer(pb_grpc.AttentionServicer):
 
 def serve_attention(service: AttentionService, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
-                    max_workers: int = 64):
+                    max_workers: int = 64, prefill: PrefillClient | None = None):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
     Each in-flight request holds one handler thread, so `max_workers` caps concurrency."""
     loop = StepLoop(service)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
-    pb_grpc.add_AttentionServicer_to_server(AttentionServicer(loop, name, transport), server)
+    pb_grpc.add_AttentionServicer_to_server(AttentionServicer(loop, name, transport, prefill),
+                                            server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop

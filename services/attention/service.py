@@ -30,13 +30,14 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.merge import combine_current, merge_many
+from kernels.sampling import sample
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
 from services.attention.shard import KVShard
 from services.common.transport import Transport
 from services.engine.block_manager import SlotPool
-from services.engine.engine import StepOutput
+from services.engine.engine import PromptExport, StepOutput
 from services.engine.sequence import GenerationParams, RequestError
 
 
@@ -52,6 +53,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: torch.Generator | None = None
+    prefilled: PromptExport | None = None     # its prompt, prefilled by the prefill service
 
     @property
     def tokens(self) -> list[int]:
@@ -86,7 +88,23 @@ class AttentionService:
         self._ids = itertools.count()
 
     # ---- request lifecycle -----------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: GenerationParams) -> int:
+    def add_request(self, prompt_ids: list[int], params: GenerationParams,
+                    prefilled: PromptExport | None = None) -> int:
+        """`prefilled`: the prompt's KV, GDN states and logits from the prefill service;
+        they are stored on admission and the first token sampled from the logits."""
+        self.validate(prompt_ids, params)
+        if prefilled is not None and prefilled.num_tokens != len(prompt_ids):
+            raise RequestError("prompt", len(prompt_ids),
+                               f"the prefill covers {prefilled.num_tokens} tokens")
+        req = Request(next(self._ids), list(prompt_ids), params, prefilled=prefilled)
+        if params.sampling.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.sampling.seed)
+        self.requests[req.seq_id] = req
+        self.waiting.append(req)
+        return req.seq_id
+
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Refuse what this service can never run; reads only fixed sizes (any thread)."""
         if not prompt_ids:
             raise RequestError("prompt", prompt_ids, "must contain at least one token")
         total = len(prompt_ids) + params.max_tokens
@@ -95,12 +113,6 @@ class AttentionService:
         if any(s.blocks_needed(-1, total) > s.blocks.num_blocks for s in self.shards):
             raise RequestError("max_tokens", params.max_tokens,
                                "prompt + max_tokens exceeds this attention service's KV cache")
-        req = Request(next(self._ids), list(prompt_ids), params)
-        if params.sampling.seed is not None:
-            req.generator = torch.Generator().manual_seed(params.sampling.seed)
-        self.requests[req.seq_id] = req
-        self.waiting.append(req)
-        return req.seq_id
 
     def abort(self, seq_id: int) -> None:
         req = self.requests.get(seq_id)
@@ -174,32 +186,54 @@ class AttentionService:
         requests, or one decode row per running request. A failure (every pool replica
         down, say) fails the requests of this step only and frees their KV."""
         self._schedule()
+        installed = [r for r in self.running() if r.prefilled is not None]
+        outputs = [self._install(r) for r in installed]
         new = [r for r in self.running() if r.num_cached == 0]
-        batch = new if new else self.running()
+        batch = new if new else [r for r in self.running() if r not in installed]
         if not batch:
-            return []
+            return outputs
         try:
             tokens, logprobs, logits = self._run(batch, decode=not new)
         except Exception as exc:  # noqa: BLE001 — reported on each request of the step
             error = f"{type(exc).__name__}: {exc}"
             for r in batch:
                 self.release(r, "error", error)
-            return [StepOutput(r.seq_id, None, None, True, "error", error) for r in batch]
-        outputs = []
+            return outputs + [StepOutput(r.seq_id, None, None, True, "error", error)
+                              for r in batch]
         for i, r in enumerate(batch):
             r.num_cached = len(r.tokens)
-            tok = int(tokens[i])
-            r.output_ids.append(tok)
-            if r.params.return_logits:
-                r.logits.append(logits[i].clone())
-            if (tok in r.params.stop_token_ids
-                    or (not r.params.ignore_eos and tok in self.eos)):
-                self.release(r, "stop")
-            elif len(r.output_ids) >= r.params.max_tokens:
-                self.release(r, "length")
-            outputs.append(StepOutput(r.seq_id, tok, float(logprobs[i]),
-                                      r.finish_reason is not None, r.finish_reason))
+            outputs.append(self._emit(r, int(tokens[i]), float(logprobs[i]), logits[i]))
         return outputs
+
+    def _emit(self, r: Request, tok: int, logprob: float, logits: torch.Tensor) -> StepOutput:
+        r.output_ids.append(tok)
+        if r.params.return_logits:
+            r.logits.append(logits.clone())
+        if tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos):
+            self.release(r, "stop")
+        elif len(r.output_ids) >= r.params.max_tokens:
+            self.release(r, "length")
+        return StepOutput(r.seq_id, tok, logprob, r.finish_reason is not None, r.finish_reason)
+
+    def _install(self, r: Request) -> StepOutput:
+        """Store an admitted request's prefilled prompt and sample its first token; the
+        prefill is dropped either way (after a preemption the prompt is recomputed here)."""
+        ex, r.prefilled = r.prefilled, None
+        try:
+            for i, l in enumerate(self.cfg.full_attention_layers):
+                for s in self.shards:
+                    s.write_prompt(l, r.seq_id, ex.kv[i, 0], ex.kv[i, 1])
+            if r.state_slot is not None:
+                self.conv[:, r.state_slot] = ex.conv
+                self.rec[:, r.state_slot] = ex.recurrent
+            tokens, logprobs = sample(ex.logits[None].float(), [r.params.sampling],
+                                      [r.generator])
+        except Exception as exc:  # noqa: BLE001 — this request only
+            error = f"{type(exc).__name__}: {exc}"
+            self.release(r, "error", error)
+            return StepOutput(r.seq_id, None, None, True, "error", error)
+        r.num_cached = len(r.prompt_ids)
+        return self._emit(r, int(tokens[0]), float(logprobs[0]), ex.logits.float())
 
     @torch.inference_mode()
     def _run(self, batch: list[Request], decode: bool):

@@ -92,6 +92,22 @@ class KVShard:
         self.kv[0, i].view(kvh, -1, d).index_copy_(1, idx, k.transpose(0, 1).to(self.kv))
         self.kv[1, i].view(kvh, -1, d).index_copy_(1, idx, v.transpose(0, 1).to(self.kv))
 
+    def write_prompt(self, layer: int, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store positions [0, N) of `seq_id` that this shard owns; k, v [N, KV, D] (a
+        prompt prefilled elsewhere). Its blocks must be reserved."""
+        bs, n = self.block_size, k.shape[0]
+        block = torch.arange(n) // bs
+        own = block % self.num_shards == self.index
+        if not bool(own.any()):
+            return
+        table = torch.tensor(self.tables[seq_id], dtype=torch.long)
+        slots = table[block[own] // self.num_shards] * bs + torch.arange(n)[own] % bs
+        i = self.fa_index[layer]
+        kvh, d = self.kv.shape[2], self.kv.shape[-1]
+        idx = slots.to(self.kv.device)
+        self.kv[0, i].view(kvh, -1, d).index_copy_(1, idx, k[own].transpose(0, 1).to(self.kv))
+        self.kv[1, i].view(kvh, -1, d).index_copy_(1, idx, v[own].transpose(0, 1).to(self.kv))
+
     def _groups(self, seq_ids: list[int]) -> dict[int, list[int]]:
         groups: dict[int, list[int]] = {}
         for r, s in enumerate(seq_ids):

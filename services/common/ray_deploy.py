@@ -8,6 +8,12 @@ services, each attention service talks to every pool replica over the configured
     gateway ──gRPC stream per request──► attention-i (owns its requests and their KV,
                                                       split over `kv_splits` shards)
     attention-i ──transport, one exchange per stage──► pool-0 … pool-{M−1}
+    attention-i ──gRPC stream per prompt──► prefill-0 … prefill-{P−1}   (with P ≥ 1)
+
+With `prefill_replicas` P ≥ 1, every prompt is prefilled by a prefill replica (a whole-model
+engine with the RidgeFill prefill service and the prefix cache when configured, see
+`services.prefill.server`), whose KV and GDN states the attention service stores before it
+decodes; with P = 0 the attention service prefills through the pool itself (exact only).
 
 `local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
 `nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
@@ -22,6 +28,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.engine.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
@@ -43,6 +51,8 @@ class ClusterConfig:
     threads: int = 1                   # torch threads per actor
     host: str = "127.0.0.1"            # where actors bind gRPC (0.0.0.0: all, node IP shown)
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)
+    prefill_replicas: int = 0          # prefill service replicas (0: prefill via the pool)
+    prefill: EngineOptions = field(default_factory=EngineOptions)   # their engines
 
     def __post_init__(self):
         if self.transport not in TRANSPORT_NAMES:
@@ -53,6 +63,12 @@ class ClusterConfig:
         for name in ("attention_shards", "mlp_replicas", "kv_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.prefill_replicas < 0:
+            raise ValueError("prefill_replicas must be at least 0")
+        p = self.prefill
+        if not self.prefill_replicas and (p.ridgefill or p.prefix_cache_bytes is not None):
+            raise ValueError("RidgeFill maps and the prefix cache live in the prefill "
+                             "service: give it at least one replica (--prefill-replicas)")
         if self.transport == "nccl" and not self.use_gpu:
             raise ValueError("--transport nccl moves tensors between GPU actors; it needs "
                              "--gpu (one CUDA device per actor)")
@@ -131,11 +147,44 @@ class PoolReplica:
         return self.nccl.listen(peer)
 
 
+class PrefillReplica:
+    """Ray actor: one prefill replica (a whole-model engine with the RidgeFill service and
+    the prefix cache as configured) behind a gRPC server."""
+
+    def __init__(self, config: ClusterConfig, name: str):
+        import torch
+        from prometheus_client import CollectorRegistry
+
+        from models import load_model
+        from services.engine.build import build_engine
+        from services.prefill.server import serve_prefill
+
+        c = config
+        torch.set_num_threads(c.threads)
+        model = load_model(c.model, dtype=getattr(torch, c.dtype),
+                           device="cuda" if c.use_gpu else "cpu")
+        registry = CollectorRegistry()
+        self.engine, service = build_engine(model, c.model, c.prefill, registry)
+        self.server, bound, self.loop = serve_prefill(self.engine, service, registry,
+                                                      f"{c.host}:0", name)
+        self.addr = _advertised(bound)
+        self.name = name
+
+    def address(self) -> str:
+        return self.addr
+
+    def blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks of its engine once its prefills are done: the leak check."""
+        self.engine.blocks.check()
+        return self.engine.blocks.num_free, self.engine.blocks.num_blocks
+
+
 class AttentionReplica:
     """Ray actor: one attention service (its KV shards, its requests) behind a gRPC server."""
 
     def __init__(self, config: ClusterConfig, name: str, pools: list | None = None,
-                 pool_addresses: list[str] | None = None):
+                 pool_addresses: list[str] | None = None,
+                 prefill_addresses: list[str] | None = None):
         from services.attention.server import serve_attention
         from services.attention.service import AttentionService
         from services.attention.shard import KVShard
@@ -173,8 +222,13 @@ class AttentionReplica:
                                         wiring=c.wiring or cfg.wiring,
                                         max_num_seqs=c.max_num_seqs,
                                         eos_token_ids=eos_token_ids(c.model))
+        prefill = None
+        if prefill_addresses:
+            from services.prefill.server import PrefillClient
+
+            prefill = PrefillClient(prefill_addresses, cfg, model.dtype)
         self.server, bound, self.loop = serve_attention(
-            self.service, f"{c.host}:0", name=name, transport=c.transport)
+            self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill)
         self.addr = _advertised(bound)
         self.name = name
 
@@ -199,12 +253,14 @@ class Cluster:
     attention: list = field(default_factory=list)
     attention_addresses: list[str] = field(default_factory=list)
     pool_addresses: list[str] = field(default_factory=list)
+    prefills: list = field(default_factory=list)
+    prefill_addresses: list[str] = field(default_factory=list)
     max_model_len: int = 0
 
     def shutdown(self) -> None:
         import ray
 
-        for actor in self.attention + self.pools:
+        for actor in self.attention + self.pools + self.prefills:
             ray.kill(actor, no_restart=True)
 
 
@@ -224,13 +280,18 @@ def deploy(config: ClusterConfig) -> Cluster:
                                                       config.use_gpu)
                          for i in range(config.mlp_replicas)]
         cluster.pool_addresses = ray.get([p.address.remote() for p in cluster.pools])
-    cls = ray.remote(**opts)(AttentionReplica)
-    cluster.attention = [cls.remote(config, f"attention-{i}", cluster.pools,
-                                    cluster.pool_addresses)
-                         for i in range(config.attention_shards)]
     try:
+        if config.prefill_replicas:
+            cls = ray.remote(**opts)(PrefillReplica)
+            cluster.prefills = [cls.remote(config, f"prefill-{i}")
+                                for i in range(config.prefill_replicas)]
+            cluster.prefill_addresses = ray.get([p.address.remote() for p in cluster.prefills])
+        cls = ray.remote(**opts)(AttentionReplica)
+        cluster.attention = [cls.remote(config, f"attention-{i}", cluster.pools,
+                                        cluster.pool_addresses, cluster.prefill_addresses)
+                             for i in range(config.attention_shards)]
         cluster.attention_addresses = ray.get([a.address.remote() for a in cluster.attention])
-    except Exception:           # e.g. a wiring the checkpoint was not trained for
+    except Exception:     # a wiring the checkpoint was not trained for, maps for another...
         cluster.shutdown()
         raise
     capacity = min(ray.get([a.capacity_tokens.remote() for a in cluster.attention]))

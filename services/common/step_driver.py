@@ -11,8 +11,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
-from services.engine import StepOutput
+from services.engine import GenerationParams, StepOutput
 
 
 class StepDriver:
@@ -41,7 +42,8 @@ class StepDriver:
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":          # arg: a submission with prompt_ids, params, done, error
             try:
-                arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params)
+                arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params,
+                                                     **getattr(arg, "extra", {}))
                 self.streams[arg.seq_id] = arg
             except Exception as exc:  # noqa: BLE001 — RequestError and friends: the caller's
                 arg.error = exc
@@ -76,3 +78,31 @@ class StepDriver:
                 self._deliver(out)
             self.stats["steps"] += 1
             self.stats["last_step_s"] = time.perf_counter() - start
+
+
+@dataclass
+class Submission:
+    prompt_ids: list[int]
+    params: GenerationParams
+    extra: dict = field(default_factory=dict)       # more keyword arguments of add_request
+    events: queue.Queue = field(default_factory=queue.Queue)
+    done: threading.Event = field(default_factory=threading.Event)
+    seq_id: int | None = None
+    error: Exception | None = None
+
+
+class QueueDriver(StepDriver):
+    """For blocking callers (gRPC handler threads): `submit` waits until the request is
+    accepted or refused, then the caller reads its `StepOutput`s from `events`."""
+
+    def submit(self, prompt_ids: list[int], params: GenerationParams, **extra) -> Submission:
+        sub = Submission(prompt_ids, params, extra)
+        self.commands.put(("add", sub))
+        sub.done.wait()
+        if sub.error is not None:
+            raise sub.error
+        return sub
+
+    def _send(self, sub: Submission, out: StepOutput) -> StepOutput:
+        sub.events.put(out)
+        return out

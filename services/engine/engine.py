@@ -56,6 +56,20 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    export: PromptExport | None = None   # `params.export_prompt`: with the first token
+
+
+@dataclass
+class PromptExport:
+    """A prefilled prompt, for decode elsewhere: what the attention service stores."""
+    kv: torch.Tensor                      # [F, 2, N, KV, D] every full-attention layer's K/V
+    conv: torch.Tensor | None             # [Lg, conv_dim, Kc − 1] GDN states after row N − 1
+    recurrent: torch.Tensor | None        # [Lg, HV, Dk, Dv] fp32
+    logits: torch.Tensor | None = None    # [V] of row N − 1 (the first token's distribution)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.shape[2]
 
 
 class LLMEngine:
@@ -173,6 +187,7 @@ class LLMEngine:
                              for c in inner.chunks]
         if self.prefix is not None:     # before postprocess frees the blocks of finished ones
             self.prefix.end(inner.prefill)
+        exports = self._exports(out)
         if whole:   # sampled rows in out.chunks order: decode, then prefill chunks
             ext = {id(c): c.logits for c in whole if not c.seq.finished}
             rows, it = [], iter(logits if logits is not None else [])
@@ -180,7 +195,27 @@ class LLMEngine:
                 if c.sample:
                     rows.append(ext[id(c)] if id(c) in ext else next(it))
             logits = torch.stack(rows) if rows else None
-        return failed + (self._postprocess(out, logits) if logits is not None else [])
+        return failed + (self._postprocess(out, logits, exports) if logits is not None else [])
+
+    def _exports(self, out: SchedulerOutput) -> dict[int, PromptExport]:
+        """Prompts of `export_prompt` requests completed by this step, read from their
+        blocks and slot before postprocess can free them."""
+        exports = {}
+        for c in out.prefill:
+            seq = c.seq
+            if (not seq.params.export_prompt or seq.finished or seq.output_ids
+                    or c.start + c.length < len(seq.prompt_ids)):
+                continue
+            n, bs = len(seq.prompt_ids), self.cache.block_size
+            pos = torch.arange(n)
+            slots = torch.tensor(seq.block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
+            conv = rec = None
+            if seq.state_slot is not None:
+                conv = self.cache.conv[:, seq.state_slot].clone()
+                rec = self.cache.recurrent[:, seq.state_slot].clone()
+            exports[seq.seq_id] = PromptExport(
+                self.cache.read_rows(slots.to(self.cache.kv.device)), conv, rec)
+        return exports
 
     def _prefill_out_of_band(self, chunks) -> list[StepOutput]:
         """Whole-prompt prefills by the prefill service, written into this cache."""
@@ -196,7 +231,8 @@ class LLMEngine:
                 failed.append(self._fail(seq, f"{type(exc).__name__}: {exc}"))
         return failed
 
-    def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
+    def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor,
+                     exports: dict[int, PromptExport] | None = None) -> list[StepOutput]:
         sampling = [c for c in out.chunks if c.sample]
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
@@ -212,10 +248,14 @@ class LLMEngine:
             seq.logprobs.append(lp)
             if seq.params.return_logits:
                 seq.logits.append(logits[i].clone())
+            export = exports.get(seq.seq_id) if exports else None
+            if export is not None:
+                export.logits = logits[i].clone()
             reason = self._stop_reason(seq, tok)
             if reason:
                 self._finish(seq, reason)
-            results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason))
+            results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
+                                      export=export))
         return results
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

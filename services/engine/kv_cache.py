@@ -51,6 +51,10 @@ class CacheStorage:
         self.kv[0, i].view(-1, kvh, d)[slots] = k.to(self.kv.dtype)
         self.kv[1, i].view(-1, kvh, d)[slots] = v.to(self.kv.dtype)
 
+    def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [N] flat token slots -> a copy of their KV, [F, 2, N, KV, D]."""
+        return self.kv.flatten(2, 3)[:, :, slots].transpose(0, 1).contiguous()
+
     def reset_slot(self, slot: int) -> None:
         if self.conv is not None:
             self.conv[:, slot].zero_()

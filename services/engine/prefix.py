@@ -185,7 +185,7 @@ class PrefixReuse:
     def _insert(self, seq: Sequence, rows: list[torch.Tensor]) -> None:
         n = len(seq.prompt_ids)
         slots = self._slots(seq, n)
-        kv = self.storage.kv.flatten(2, 3)[:, :, slots].transpose(0, 1).cpu()  # [F, 2, n, KV, D]
+        kv = self.storage.read_rows(slots).cpu()                               # [F, 2, n, KV, D]
         hidden = torch.cat(rows, dim=1).cpu() if self.hidden_layers else None   # [G, n, H]
         provenance = torch.zeros(n, dtype=torch.uint8)
         self._inserts.append(self._writer.submit(self.cache.insert, list(seq.prompt_ids), kv,

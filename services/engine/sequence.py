@@ -26,6 +26,8 @@ class GenerationParams:
     return_logits: bool = False     # keep each sampled position's logits (tests, evals)
     prefill: object | None = None   # FillSettings: the prefill service prefills the prompt
     replay_ratio: float | None = None  # Tail-Replay r on a prefix-cache hit (None: the engine's)
+    export_prompt: bool = False     # hand the prompt's KV, GDN states and logits back (the
+                                    # prefill service's engine: decode continues elsewhere)
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -22,6 +22,7 @@ from services.engine import GenerationParams, RequestError
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        _Common)
+from services.prefill.service import RemotePrefill
 
 
 class Gateway:
@@ -31,9 +32,12 @@ class Gateway:
 
     def __init__(self, backend, tokenizer, model_name: str, max_model_len: int,
                  default_temperature: float = 1.0, prefill_service=None,
-                 metrics: GatewayMetrics | None = None):
+                 metrics: GatewayMetrics | None = None, remote_prefill: bool = False):
+        """`prefill_service`: resolves RidgeFill fields here (embedded engine);
+        `remote_prefill`: they travel as given and the prefill service checks them."""
         self.backend = backend
         self.prefill_service = prefill_service
+        self.remote_prefill = remote_prefill
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -63,6 +67,10 @@ class Gateway:
             raise APIError(400, str(exc)) from exc
 
     def prefill_settings(self, req: _Common, prompt_len: int):
+        if self.remote_prefill:
+            if req.prefill_mode is None and req.ridgefill is None:
+                return None
+            return RemotePrefill(req.prefill_mode, req.ridgefill)
         if self.prefill_service is None:
             if req.prefill_mode not in (None, "exact") or req.ridgefill:
                 raise APIError(400, "this server has no RidgeFill prefill service (start it "

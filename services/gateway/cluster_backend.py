@@ -16,6 +16,8 @@ import time
 
 import grpc
 from prometheus_client import Gauge
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.attention.server import params_to_proto
 from services.common.pb import splitstack_pb2 as pb
@@ -35,28 +37,57 @@ class RemoteRequestError(RequestError):
 
 
 class _Endpoint:
-    def __init__(self, address: str):
+    def __init__(self, address: str, stub=pb_grpc.AttentionStub):
         self.address = address
         self.channel: grpc.aio.Channel | None = None
         self.stub = None
+        self._stub_cls = stub
         self.inflight = 0
         self.down_since: float | None = None
 
     def connect(self) -> None:
         if self.channel is None:         # created lazily: aio channels bind to the loop
             self.channel = grpc.aio.insecure_channel(self.address)
-            self.stub = pb_grpc.AttentionStub(self.channel)
+            self.stub = self._stub_cls(self.channel)
+
+
+class RemoteMetrics:
+    """A collector re-exporting what other services exported (their Prometheus text, as
+    polled), each sample labelled with the `service` it came from: the prefill replicas'
+    prefill and prefix-cache metrics appear on the gateway's /metrics under their own
+    names, so dashboards need no second scrape target."""
+
+    def __init__(self):
+        self.latest: dict[str, str] = {}      # service address -> its exposition text
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for service, text in sorted(self.latest.items()):
+            for fam in text_string_to_metric_families(text):
+                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+                for sample in fam.samples:
+                    out.add_sample(sample.name, {**sample.labels, "service": service},
+                                   sample.value, sample.timestamp)
+        yield from merged.values()
 
 
 class ClusterBackend:
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
 
-    def __init__(self, addresses: list[str], registry=None):
-        """`registry`: where the per-service gauges go (the gateway's, for /metrics)."""
+    def __init__(self, addresses: list[str], registry=None,
+                 prefill_addresses: list[str] = ()):
+        """`registry`: where the per-service gauges go (the gateway's, for /metrics).
+        `prefill_addresses`: prefill replicas whose stats and metrics it polls."""
         if not addresses:
             raise ValueError("the gateway needs at least one attention service")
         self.gauges = None
+        self.remote = RemoteMetrics()
+        self.prefills = [_Endpoint(a, pb_grpc.PrefillStub) for a in prefill_addresses]
         if registry is not None:
+            registry.register(self.remote)
+            self.prefill_up = Gauge("splitstack_prefill_up",
+                                    "1 while the prefill replica answers, else 0", ["service"],
+                                    registry=registry)
             self.gauges = {
                 name: Gauge(f"splitstack_attention_{name}", doc, ["service"], registry=registry)
                 for name, doc in (
@@ -120,6 +151,11 @@ class ClusterBackend:
                 raise RemoteRequestError(first.error_field, first.error)
             gid = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
+            if first.finished:       # failed before it started (its prefill, say)
+                ep.inflight -= 1
+                queue.put_nowait(StepOutput(gid, None, None, True, first.finish_reason or
+                                            "error", first.error or None))
+                return gid, queue
             self.calls[gid] = call
             asyncio.ensure_future(self._pump(gid, ep, call, queue))
             return gid, queue
@@ -193,7 +229,22 @@ class ClusterBackend:
                                     ("requests_waiting", st.waiting),
                                     ("pool_retries", st.pool_retries)):
                     self.gauges[name].labels(ep.address).set(value)
+        await self._refresh_prefills()
         return stats
+
+    async def _refresh_prefills(self) -> None:
+        for ep in self.prefills:
+            ep.connect()
+            try:
+                st = await ep.stub.Stats(pb.Empty(), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                up = False
+                self.remote.latest.pop(ep.address, None)
+            else:
+                up = True
+                self.remote.latest[ep.address] = st.metrics
+            if self.gauges is not None:
+                self.prefill_up.labels(ep.address).set(up)
 
     def shutdown(self) -> None:
         for call in list(self.calls.values()):

@@ -7,16 +7,12 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from models import load_model
-from services.common.tokenizer import default_temperature, eos_token_ids, load_tokenizer
-from services.engine import EngineConfig, LLMEngine
+from services.common.tokenizer import default_temperature, load_tokenizer
+from services.engine.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
 from services.gateway.metrics import GatewayMetrics
-from services.prefill.maps import model_fingerprint
-from services.prefill.metrics import PrefillMetrics
-from services.prefill.service import PrefillConfig, PrefillService
-from services.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheMetrics
-from services.prefix_cache.replay import TailReplayConfig
+from services.prefill.service import PrefillConfig
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
@@ -30,37 +26,27 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     (--prefix-cache) turns the prefix cache on, keyed by the model's fingerprint and dtype;
     requests may set their own `replay_ratio`."""
     model_dir = Path(model_dir)
-    TailReplayConfig(replay_ratio)      # refuse a bad flag before loading anything
+    options = EngineOptions(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
+                            prefill=prefill, prefix_cache_bytes=prefix_cache_bytes,
+                            prefix_block_size=prefix_block_size, redis_url=redis_url,
+                            reuse_filled=reuse_filled, replay_ratio=replay_ratio)
     model = load_model(model_dir, dtype=dtype)
-    service = None
-    if prefill is not None and (prefill.maps_dir or prefill.mode != "exact"):
-        service = PrefillService(model, prefill)
     registry = CollectorRegistry()
-    cache = None
-    if prefix_cache_bytes is not None:
-        config = PrefixCacheConfig(namespace=f"{model_fingerprint(model)}:{dtype}",
-                                   block_size=prefix_block_size,
-                                   capacity_bytes=prefix_cache_bytes, reuse_filled=reuse_filled,
-                                   redis_url=redis_url)
-        cache = PrefixCache(config, PrefixCacheMetrics(registry))
-    engine = LLMEngine(model, EngineConfig(max_num_seqs=max_num_seqs,
-                                           kv_cache_bytes=kv_cache_bytes),
-                       eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
-                       prefix_cache=cache, replay_ratio=replay_ratio)
+    engine, service = build_engine(model, model_dir, options, registry)
     gateway = Gateway(EngineBackend(engine), load_tokenizer(model_dir),
                       served_name or model_dir.name, engine.max_model_len,
                       default_temperature(model_dir), prefill_service=service,
                       metrics=GatewayMetrics(registry))
-    if service is not None:
-        service.metrics = PrefillMetrics(gateway.metrics.registry)
     return build_app(gateway)
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
                   num_cpus: int | None = None):
-    """The disaggregated deployment: start (or join) Ray, place the pool replicas and the
-    attention services (`services.common.ray_deploy`), and put the gateway in front of the
-    attention services. Returns (app, cluster)."""
+    """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
+    prefill replicas and the attention services (`services.common.ray_deploy`), and put the
+    gateway in front of the attention services. Request prefill fields (`prefill_mode`,
+    `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them. Returns
+    (app, cluster)."""
     from services.common.ray_deploy import deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
@@ -68,7 +54,9 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     init_ray(address, num_cpus=num_cpus)
     cluster = deploy(config)
     metrics = GatewayMetrics()
-    gateway = Gateway(ClusterBackend(cluster.attention_addresses, metrics.registry),
-                      load_tokenizer(model_dir), served_name or model_dir.name,
-                      cluster.max_model_len, default_temperature(model_dir), metrics=metrics)
+    backend = ClusterBackend(cluster.attention_addresses, metrics.registry,
+                             prefill_addresses=cluster.prefill_addresses)
+    gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
+                      cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
+                      remote_prefill=bool(cluster.prefill_addresses))
     return build_app(gateway), cluster

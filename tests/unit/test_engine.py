@@ -191,3 +191,29 @@ def test_context_is_capped_to_what_the_cache_holds(tiny_checkpoint):
     with pytest.raises(RequestError, match="context length 160"):
         eng.add_request([1] * 100, GenerationParams(max_tokens=61))
     eng.add_request([1] * 100, GenerationParams(max_tokens=60))
+
+
+def test_export_prompt_hands_back_kv_states_and_logits(tiny_checkpoint):
+    """`export_prompt` (the prefill service's engine): a prompt prefilled in several chunks
+    comes back as one monolithic forward's KV, its GDN states, and its last-row logits."""
+    from services.prefix_cache.replay import continue_prefill, prompt_rows, zero_states
+
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path)
+    ids = torch.randint(0, 1024, (37,), generator=torch.Generator().manual_seed(4)).tolist()
+    engine = LLMEngine(model, EngineConfig(max_prefill_chunk=16, max_num_batched_tokens=16))
+    params = GenerationParams(max_tokens=1, export_prompt=True, ignore_eos=True)
+    outs = []
+    engine.add_request(ids, params)
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs) == 1 and outs[0].export is not None
+    ex = outs[0].export
+    kv, _ = prompt_rows(model, torch.tensor(ids))
+    logits, _, states = continue_prefill(model, torch.tensor(ids), kv[:, :, :0],
+                                         zero_states(model), return_cache=True)
+    assert ex.num_tokens == 37 and (ex.kv - kv).abs().max() <= 1e-5
+    assert (ex.recurrent - states.recurrent).abs().max() <= 1e-4
+    assert (ex.conv - states.conv).abs().max() <= 1e-5
+    assert (ex.logits - logits[-1]).abs().max() <= 1e-4
+    assert engine.blocks.num_free == engine.blocks.num_blocks

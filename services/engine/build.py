@@ -1,0 +1,61 @@
+"""One engine as the server flags describe it: the exact engine, plus the RidgeFill prefill
+service and the prefix cache when configured. The embedded deployment and each prefill
+replica of the disaggregated one build theirs here, so both read the flags the same way."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from models.model import CausalLM
+from services.common.tokenizer import eos_token_ids
+from services.engine.engine import EngineConfig, LLMEngine
+from services.prefill.maps import model_fingerprint
+from services.prefill.metrics import PrefillMetrics
+from services.prefill.service import PrefillConfig, PrefillService
+from services.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheMetrics
+from services.prefix_cache.replay import TailReplayConfig
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_num_seqs: int = 16
+    kv_cache_bytes: int = 1 << 30
+    prefill: PrefillConfig | None = None      # --prefill-mode, --maps, ...: RidgeFill service
+    prefix_cache_bytes: int | None = None     # --prefix-cache: memory tier capacity
+    prefix_block_size: int = 16
+    redis_url: str | None = None
+    reuse_filled: bool = False
+    replay_ratio: float = 0.1
+
+    def __post_init__(self):
+        TailReplayConfig(self.replay_ratio)   # refuse a bad flag before loading anything
+
+    @property
+    def ridgefill(self) -> bool:
+        p = self.prefill
+        return p is not None and (p.maps_dir is not None or p.mode != "exact")
+
+
+def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
+                 registry) -> tuple[LLMEngine, PrefillService | None]:
+    """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
+    metrics go into `registry`; the prefix cache is keyed by the model's fingerprint and
+    dtype, so replicas of one checkpoint share Redis entries and other checkpoints never
+    see them."""
+    service = None
+    if options.ridgefill:
+        service = PrefillService(model, options.prefill, PrefillMetrics(registry))
+    cache = None
+    if options.prefix_cache_bytes is not None:
+        config = PrefixCacheConfig(namespace=f"{model_fingerprint(model)}:{model.dtype}",
+                                   block_size=options.prefix_block_size,
+                                   capacity_bytes=options.prefix_cache_bytes,
+                                   reuse_filled=options.reuse_filled,
+                                   redis_url=options.redis_url)
+        cache = PrefixCache(config, PrefixCacheMetrics(registry))
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
+                                           kv_cache_bytes=options.kv_cache_bytes),
+                       eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
+                       prefix_cache=cache, replay_ratio=options.replay_ratio)
+    return engine, service
+

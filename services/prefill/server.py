@@ -1,0 +1,277 @@
+"""The prefill service over gRPC (`Prefill` in proto/splitstack.proto), and its client.
+
+A prefill replica runs an exact engine (continuous batching of concurrent prompts, chunked)
+built from the server flags: with `--maps` the RidgeFill prefill service, with
+`--prefix-cache` the prefix cache and Tail-Replay. Each `Prefill` call becomes a one-token
+request with `export_prompt`: when its prompt completes, the engine hands back the prompt's
+KV, GDN states and last-row logits, and the call streams them
+
+    ack  ->  PromptKV per full-attention layer  ->  PromptState per GDN layer  ->  logits
+
+to the attention service that will decode the request. Nothing of the request stays on the
+replica (its blocks are freed; the prefix cache keeps its own copy of the prompt), so a call
+to a replica that dies is simply made again on another (`PrefillClient`).
+
+Contract: the replica's step loop is the only code that touches its engine; handler threads
+submit, wait for the one output, and stream it. Cancelling a call aborts its prefill.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+from prometheus_client import generate_latest
+
+from kernels.sampling import SamplingParams
+from models.config import ModelConfig
+from services.common.pb import splitstack_pb2 as pb
+from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.step_driver import QueueDriver
+from services.common.tensor_codec import from_proto, to_proto
+from services.engine import GenerationParams, LLMEngine, PromptExport
+from services.prefill.service import PrefillService, RemotePrefill
+
+log = logging.getLogger(__name__)
+GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
+                ("grpc.max_receive_message_length", 512 << 20)]
+
+
+class PrefillRefused(ValueError):
+    """The prefill service refused the request (4xx); carries the offending field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(message)
+        self.field = field_name or None
+
+
+class PrefillFailed(RuntimeError):
+    """Every prefill replica tried failed or was unreachable."""
+
+
+class PrefillCancelled(Exception):
+    """The caller cancelled the prefill."""
+
+
+# ---- request fields <-> proto ------------------------------------------------------------
+def options_to_proto(prefill: RemotePrefill | None, replay_ratio: float | None) -> pb.PrefillOptions:
+    opts = pb.PrefillOptions()
+    if prefill is not None:
+        opts.mode = prefill.mode or ""
+        if prefill.overrides is not None:
+            opts.ridgefill_json = json.dumps(prefill.overrides)
+    if replay_ratio is not None:
+        opts.has_replay_ratio, opts.replay_ratio = True, replay_ratio
+    return opts
+
+
+def asks_for_prefill(opts: pb.PrefillOptions) -> bool:
+    """Whether the options need a prefill service (exact prefill without one is fine)."""
+    return opts.mode not in ("", "exact") or bool(opts.ridgefill_json)
+
+
+def prefill_params(opts: pb.PrefillOptions, num_tokens: int,
+                   service: PrefillService | None) -> GenerationParams:
+    """The one-token exporting request a `Prefill` call runs. Raises ValueError subclasses
+    (`RequestError`, `FillError`, `MapsError`) naming what is wrong."""
+    overrides = None
+    if opts.ridgefill_json:
+        try:
+            overrides = json.loads(opts.ridgefill_json)
+        except json.JSONDecodeError as err:
+            raise PrefillRefused("ridgefill", f"ridgefill is not valid JSON: {err}") from err
+    mode = opts.mode or None
+    if service is None:
+        if mode not in (None, "exact") or overrides:
+            raise PrefillRefused("prefill_mode", "this deployment's prefill service has no "
+                                 "RidgeFill maps (start it with --maps)")
+        fill = None
+    else:
+        try:
+            fill = service.resolve(mode, overrides, num_tokens)
+        except ValueError as err:
+            raise PrefillRefused("ridgefill", str(err)) from err
+    return GenerationParams(max_tokens=1, sampling=SamplingParams(temperature=0.0),
+                            ignore_eos=True, prefill=fill, export_prompt=True,
+                            replay_ratio=opts.replay_ratio if opts.has_replay_ratio else None)
+
+
+def export_events(export: PromptExport, cfg: ModelConfig):
+    for i, l in enumerate(cfg.full_attention_layers):
+        yield pb.PrefillEvent(kv=pb.PromptKV(layer=l, k=to_proto(export.kv[i, 0]),
+                                             v=to_proto(export.kv[i, 1])))
+    for i, l in enumerate(cfg.linear_attention_layers):
+        yield pb.PrefillEvent(state=pb.PromptState(layer=l, conv=to_proto(export.conv[i]),
+                                                   recurrent=to_proto(export.recurrent[i])))
+    yield pb.PrefillEvent(logits=to_proto(export.logits))
+
+
+# ---- server ---------------------------------------------------------------------------
+class PrefillServicer(pb_grpc.PrefillServicer):
+    def __init__(self, loop: QueueDriver, name: str, service: PrefillService | None = None,
+                 registry=None):
+        self.loop, self.name, self.service, self.registry = loop, name, service, registry
+        self.cfg: ModelConfig = loop.engine.model.config
+        self.prefills = 0
+
+    def Prefill(self, request, context):
+        ids = list(request.prompt_ids)
+        try:
+            params = prefill_params(request.options, len(ids), self.service)
+            sub = self.loop.submit(ids, params)
+        except ValueError as exc:       # RequestError, PrefillRefused, FillError, ...
+            yield pb.PrefillEvent(ack=pb.PrefillAck(
+                refused=True, error=str(exc), error_field=getattr(exc, "field", None) or ""))
+            return
+        seq_id = sub.seq_id
+        context.add_callback(lambda: self.loop.abort(seq_id))   # no-op once finished
+        yield pb.PrefillEvent(ack=pb.PrefillAck(num_tokens=len(ids)))
+        out = sub.events.get()          # one output: the first token, with the export
+        if out.export is None:
+            if out.finish_reason != "abort":
+                context.abort(grpc.StatusCode.INTERNAL, out.error or "the prefill failed")
+            return
+        self.prefills += 1
+        yield from export_events(out.export, self.cfg)
+
+    def Stats(self, request, context):
+        engine: LLMEngine = self.loop.engine
+        text = generate_latest(self.registry).decode() if self.registry is not None else ""
+        return pb.PrefillStats(name=self.name, running=len(self.loop.streams),
+                               waiting=len(engine.scheduler.waiting),
+                               kv_usage=engine.blocks.usage, prefills=self.prefills,
+                               metrics=text)
+
+    def Health(self, request, context):
+        if not self.loop.thread.is_alive():
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the step loop has stopped")
+        return pb.Empty()
+
+
+def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
+                  address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64):
+    """Start the engine's step loop and a gRPC server for it; returns (server, bound
+    address, loop). Each call in flight holds one handler thread."""
+    loop = QueueDriver(engine, f"{name}-steps")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         options=GRPC_OPTIONS)
+    pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry),
+                                          server)
+    port = server.add_insecure_port(address)
+    server.start()
+    return server, f"{address.rsplit(':', 1)[0]}:{port}", loop
+
+
+# ---- client (the attention service's side) --------------------------------------------
+class CancelHandle:
+    """Cancels the prefill call in flight, and any retry after it."""
+
+    def __init__(self):
+        self.cancelled = False
+        self.call = None
+        self._lock = threading.Lock()
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            if self.call is not None:
+                self.call.cancel()
+
+    def attach(self, call) -> None:
+        with self._lock:
+            self.call = call
+            if self.cancelled:
+                call.cancel()
+
+
+class PrefillClient:
+    """Calls the prefill replica with the fewest calls in flight (ties round robin). A
+    replica that cannot be reached, or dies mid-stream, is skipped and the prefill made
+    again on the next one: a prefill holds no state. Thread-safe."""
+
+    def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype):
+        if not addresses:
+            raise ValueError("a prefill client needs at least one prefill replica")
+        self.cfg, self.dtype = cfg, dtype
+        self.addresses = list(addresses)
+        self.stubs = [pb_grpc.PrefillStub(grpc.insecure_channel(a, options=GRPC_OPTIONS))
+                      for a in self.addresses]
+        self.inflight = [0] * len(addresses)
+        self.retries = 0
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def _order(self) -> list[int]:
+        with self._lock:
+            turn = next(self._turn)
+            n = len(self.stubs)
+            return sorted(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+
+    def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
+                cancel: CancelHandle | None = None) -> PromptExport:
+        request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options)
+        errors = []
+        for i in self._order():
+            if cancel is not None and cancel.cancelled:
+                raise PrefillCancelled()
+            with self._lock:
+                self.inflight[i] += 1
+            try:
+                call = self.stubs[i].Prefill(request)
+                if cancel is not None:
+                    cancel.attach(call)
+                return self._receive(call, len(prompt_ids))
+            except grpc.RpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.CANCELLED:
+                    raise PrefillCancelled() from err
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise PrefillFailed(f"prefill replica {self.addresses[i]}: "
+                                        f"{code.name}: {err.details()}") from err
+                errors.append(f"{self.addresses[i]}: {err.details()}")
+                with self._lock:
+                    self.retries += 1
+            finally:
+                with self._lock:
+                    self.inflight[i] -= 1
+        raise PrefillFailed("no prefill replica is available (" + "; ".join(errors) + ")")
+
+    def _receive(self, call, n: int) -> PromptExport:
+        cfg = self.cfg
+        events = iter(call)
+        first = next(events, None)
+        if first is None or first.WhichOneof("part") != "ack":
+            raise PrefillFailed("the prefill stream did not start with an acknowledgement")
+        ack = first.ack
+        if ack.refused:
+            raise PrefillRefused(ack.error_field, ack.error)
+        fa = {l: i for i, l in enumerate(cfg.full_attention_layers)}
+        gdn = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
+        kv = torch.empty(len(fa), 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype)
+        conv = rec = None
+        if gdn:
+            conv = torch.empty(len(gdn), cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1,
+                               dtype=self.dtype)
+            rec = torch.empty(len(gdn), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim, dtype=torch.float32)
+        seen = set()
+        for ev in events:
+            part = ev.WhichOneof("part")
+            if part == "kv":
+                kv[fa[ev.kv.layer], 0] = from_proto(ev.kv.k)
+                kv[fa[ev.kv.layer], 1] = from_proto(ev.kv.v)
+                seen.add(ev.kv.layer)
+            elif part == "state":
+                conv[gdn[ev.state.layer]] = from_proto(ev.state.conv)
+                rec[gdn[ev.state.layer]] = from_proto(ev.state.recurrent)
+                seen.add(ev.state.layer)
+            elif part == "logits":
+                if len(seen) != len(fa) + len(gdn):
+                    raise PrefillFailed(f"the prefill stream missed layers "
+                                        f"{sorted((set(fa) | set(gdn)) - seen)}")
+                return PromptExport(kv, conv, rec, from_proto(ev.logits))
+        raise PrefillFailed("the prefill stream ended before the logits")
