@@ -95,7 +95,9 @@ class ClusterBackend:
                     ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard"),
                     ("requests_running", "Requests decoding on the attention service"),
                     ("requests_waiting", "Requests waiting for KV on the attention service"),
-                    ("pool_retries", "Pool calls the attention service retried elsewhere"))}
+                    ("pool_retries", "Pool calls the attention service retried elsewhere"),
+                    ("prefill_retries", "Prefill calls made again on another prefill "
+                                        "replica"))}
         self.endpoints = [_Endpoint(a) for a in addresses]
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self._ids = itertools.count()
@@ -227,7 +229,8 @@ class ClusterBackend:
                 for name, value in (("kv_cache_usage_ratio", st.kv_usage),
                                     ("requests_running", st.running),
                                     ("requests_waiting", st.waiting),
-                                    ("pool_retries", st.pool_retries)):
+                                    ("pool_retries", st.pool_retries),
+                                    ("prefill_retries", st.prefill_retries)):
                     self.gauges[name].labels(ep.address).set(value)
         await self._refresh_prefills()
         return stats

@@ -1,0 +1,130 @@
+"""The disaggregated deployment with a prefill service: SmolLM2 on Ray with 2 prefill
+replicas (prefix cache with the shared Redis tier), 1 attention service (KV over 2 shards)
+and 1 MLP pool replica, reached over HTTP with the official `openai` client.
+
+Prompts are prefilled on a prefill replica and decoded on the attention service; a shared
+prefix stored by one replica is found by the other through Redis; request prefill fields
+are checked by the prefill service (4xx); a killed prefill replica is retried on the other.
+The tests run in order: the last one kills a replica.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+
+from services.common.ray_deploy import ClusterConfig
+from services.engine.build import EngineOptions
+from services.gateway.server import build_cluster
+from tests.e2e.conftest import ZOO, running
+
+MODEL = "smollm2-135m"
+REDIS_DB = 5            # this module's own database; flushed before the deployment starts
+DOCUMENT = "".join(f"Entry {i}: the {c} {a} sleeps in cabin {200 + 9 * i}.\n"
+                   for i, (c, a) in enumerate(zip(["red", "green", "blue", "amber", "violet"] * 6,
+                                                  ["fox", "owl", "cat", "eel", "yak"] * 6)))
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_session):
+    url = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    redis.Redis.from_url(url).flushdb()
+    options = EngineOptions(max_num_seqs=4, kv_cache_bytes=128 << 20,
+                            prefix_cache_bytes=64 << 20, redis_url=url)
+    config = ClusterConfig(model=str(ZOO), attention_shards=1, kv_splits=2, mlp_replicas=1,
+                           transport="grpc", kv_cache_bytes=128 << 20, max_num_seqs=4,
+                           prefill_replicas=2, prefill=options)
+    app, cluster = build_cluster(config, served_name=MODEL)
+    with running(app) as base:
+        yield base, cluster
+    cluster.shutdown()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of `name`'s samples whose labels include `labels`."""
+    total = 0.0
+    for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.M):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def scrape(base: str) -> str:
+    return httpx.get(base + "/metrics", timeout=30).text
+
+
+def complete(base: str, prompt: str, max_tokens: int = 10, **extra):
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body=extra or None).choices[0].text
+
+
+def no_leaks(ray, cluster, prefills):
+    for free, total in ray.get(cluster.attention[0].blocks.remote()):
+        assert free == total
+    for i in prefills:
+        free, total = ray.get(cluster.prefills[i].blocks.remote())
+        assert free == total
+
+
+def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_session):
+    base, cluster = deployment
+    plain, gateway = server
+    questions = [DOCUMENT + f"Question: where does the {x} sleep?\nAnswer:"
+                 for x in ("blue cat", "amber eel", "violet yak")]
+    ids = [gateway.tokenizer(t, add_special_tokens=False)["input_ids"] for t in questions]
+
+    def common(a, b):
+        return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+    # the second prompt hits what the first stored, the third the longer of the two
+    want_hits = common(ids[0], ids[1]) + max(common(ids[0], ids[2]), common(ids[1], ids[2]))
+    assert want_hits > 600
+    for i, q in enumerate(questions):
+        assert complete(base, q) == complete(plain, q)
+        deadline = time.time() + 30      # inserts run after the prompt: wait for Redis
+        while metric(scrape(base), "splitstack_prefix_cache_inserted_tokens_total",
+                     tier="redis") < sum(map(len, ids[:i + 1])) and time.time() < deadline:
+            time.sleep(0.2)
+    text = scrape(base)
+    assert metric(text, "splitstack_prefix_cache_hit_tokens_total") == want_hits
+    # round robin put consecutive prompts on different replicas: found through Redis
+    assert metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="redis") > 0
+    for address in cluster.prefill_addresses:      # both replicas report, each under its name
+        assert f'splitstack_prefill_up{{service="{address}"}} 1.0' in text
+        assert metric(text, "splitstack_prefix_cache_query_tokens_total", service=address) > 0
+    no_leaks(ray_session, cluster, prefills=[0, 1])
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"prefill_mode": "ridgefill"}, "prefill_mode"),     # no maps in this deployment
+    ({"replay_ratio": 2.0}, "replay_ratio"),
+])
+def test_prefill_fields_are_checked_by_the_prefill_service(deployment, extra, param):
+    base, _ = deployment
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 4, **extra}
+    r = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = httpx.post(base + "/v1/completions", timeout=60,
+                    json={"model": MODEL, "prompt": "Hello", "max_tokens": 2,
+                          "replay_ratio": 0.05})
+    assert ok.status_code == 200
+
+
+def test_killed_prefill_replica_is_retried_on_the_other(deployment, server, ray_session):
+    base, cluster = deployment
+    plain, _ = server
+    ray_session.kill(cluster.prefills[0])
+    prompts = [f"Write the number {n} in words:" for n in (17, 240, 3)]
+    for p in prompts:
+        assert complete(base, p, 6) == complete(plain, p, 6)
+    text = scrape(base)
+    assert f'splitstack_prefill_up{{service="{cluster.prefill_addresses[0]}"}} 0.0' in text
+    assert metric(text, "splitstack_attention_prefill_retries") >= 1
+    no_leaks(ray_session, cluster, prefills=[1])
