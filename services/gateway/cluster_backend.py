@@ -75,19 +75,22 @@ class ClusterBackend:
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
 
     def __init__(self, addresses: list[str], registry=None,
-                 prefill_addresses: list[str] = ()):
+                 prefill_addresses: list[str] = (), pool_addresses: list[str] = ()):
         """`registry`: where the per-service gauges go (the gateway's, for /metrics).
-        `prefill_addresses`: prefill replicas whose stats and metrics it polls."""
+        `prefill_addresses`, `pool_addresses`: replicas whose metrics it polls and
+        re-exports (prefill and prefix cache; pool stage latency and batch size)."""
         if not addresses:
             raise ValueError("the gateway needs at least one attention service")
         self.gauges = None
         self.remote = RemoteMetrics()
-        self.prefills = [_Endpoint(a, pb_grpc.PrefillStub) for a in prefill_addresses]
+        self.peers = ([("prefill", _Endpoint(a, pb_grpc.PrefillStub)) for a in prefill_addresses]
+                      + [("pool", _Endpoint(a, pb_grpc.MLPPoolStub)) for a in pool_addresses])
         if registry is not None:
             registry.register(self.remote)
-            self.prefill_up = Gauge("splitstack_prefill_up",
-                                    "1 while the prefill replica answers, else 0", ["service"],
-                                    registry=registry)
+            self.peer_up = {kind: Gauge(f"splitstack_{kind}_up",
+                                        f"1 while the {kind} replica answers, else 0",
+                                        ["service"], registry=registry)
+                            for kind in ("prefill", "pool")}
             self.gauges = {
                 name: Gauge(f"splitstack_attention_{name}", doc, ["service"], registry=registry)
                 for name, doc in (
@@ -232,11 +235,11 @@ class ClusterBackend:
                                     ("pool_retries", st.pool_retries),
                                     ("prefill_retries", st.prefill_retries)):
                     self.gauges[name].labels(ep.address).set(value)
-        await self._refresh_prefills()
+        await self._refresh_peers()
         return stats
 
-    async def _refresh_prefills(self) -> None:
-        for ep in self.prefills:
+    async def _refresh_peers(self) -> None:
+        for kind, ep in self.peers:
             ep.connect()
             try:
                 st = await ep.stub.Stats(pb.Empty(), timeout=2.0)
@@ -247,7 +250,7 @@ class ClusterBackend:
                 up = True
                 self.remote.latest[ep.address] = st.metrics
             if self.gauges is not None:
-                self.prefill_up.labels(ep.address).set(up)
+                self.peer_up[kind].labels(ep.address).set(up)
 
     def shutdown(self) -> None:
         for call in list(self.calls.values()):

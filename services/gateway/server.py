@@ -55,7 +55,8 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     cluster = deploy(config)
     metrics = GatewayMetrics()
     backend = ClusterBackend(cluster.attention_addresses, metrics.registry,
-                             prefill_addresses=cluster.prefill_addresses)
+                             prefill_addresses=cluster.prefill_addresses,
+                             pool_addresses=cluster.pool_addresses)
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
                       remote_prefill=bool(cluster.prefill_addresses))

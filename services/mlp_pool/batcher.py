@@ -14,18 +14,22 @@ of that batch.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 
 import torch
 
 from models.gdn import GDNInputs
+from services.mlp_pool.metrics import PoolMetrics
 from services.mlp_pool.pool import MLPPool, StageOutput
 
 
 class BatchingPool:
-    def __init__(self, pool: MLPPool, start: bool = True):
+    def __init__(self, pool: MLPPool, start: bool = True, metrics: PoolMetrics | None = None):
+        """`metrics`: stage latency and batch size of every forward it runs."""
         self.pool = pool
+        self.metrics = metrics
         self.name = pool.name
         self.batches = 0            # forwards run
         self.rows = 0               # rows served
@@ -76,11 +80,14 @@ class BatchingPool:
                 try:
                     self._run(key, calls)
                 except Exception as exc:  # noqa: BLE001 — every caller of the batch sees it
+                    if self.metrics is not None:
+                        self.metrics.failures.inc()
                     for _, fut in calls:
                         if not fut.done():
                             fut.set_exception(exc)
 
     def _run(self, key, calls) -> None:
+        start = time.perf_counter()
         sizes = [args[0].shape[0] for args, _ in calls]
         u = torch.cat([args[0] for args, _ in calls])
         self.batches += 1
@@ -93,6 +100,10 @@ class BatchingPool:
             gens = [g for args, _ in calls for g in args[2]]
             tokens, logprobs, logits = self.pool.final(u, params, gens)
             parts = list(zip(tokens.split(sizes), logprobs.split(sizes), logits.split(sizes)))
+        if self.metrics is not None:
+            self.metrics.stage_seconds.labels(key[0]).observe(time.perf_counter() - start)
+            self.metrics.batch_rows.observe(u.shape[0])
+            self.metrics.batch_calls.observe(len(calls))
         for (_, fut), part in zip(calls, parts):
             fut.set_result(part)
 

@@ -5,6 +5,7 @@ from concurrent import futures
 
 import grpc
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.sampling import SamplingParams
 from services.common.pb import splitstack_pb2 as pb
@@ -25,8 +26,8 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     """`nccl`: a `PoolNcclEndpoint`; requests naming an `nccl_peer` get their tensors'
     bytes over that peer's link, and the reply's go back the same way."""
 
-    def __init__(self, pool: MLPPool, nccl=None):
-        self.pool, self.nccl = pool, nccl
+    def __init__(self, pool: MLPPool, nccl=None, registry=None):
+        self.pool, self.nccl, self.registry = pool, nccl, registry
 
     def _run(self, req: pb.PoolRequest) -> pb.PoolReply:
         link = self.nccl.link(req.nccl_peer) if req.nccl_peer else None
@@ -65,6 +66,10 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     def Health(self, request, context):
         return pb.Empty()
 
+    def Stats(self, request, context):
+        text = generate_latest(self.registry).decode() if self.registry is not None else ""
+        return pb.ServiceMetrics(name=self.pool.name, metrics=text)
+
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,
                nccl=None, batching: bool = True):
@@ -72,14 +77,17 @@ def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 6
 
     Each client's stream holds one handler thread, so `max_workers` caps the cache-side
     clients. `batching`: concurrent calls from different clients run as one forward
-    (`BatchingPool`). `nccl`: the replica's `PoolNcclEndpoint`, for the nccl transport."""
+    (`BatchingPool`, which also records stage latency and batch size, served by `Stats`).
+    `nccl`: the replica's `PoolNcclEndpoint`, for the nccl transport."""
     from services.mlp_pool.batcher import BatchingPool
+    from services.mlp_pool.metrics import PoolMetrics
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_send_message_length", 512 << 20),
                                   ("grpc.max_receive_message_length", 512 << 20)])
-    runner = BatchingPool(pool) if batching else pool
-    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl), server)
+    registry = CollectorRegistry()
+    runner = BatchingPool(pool, metrics=PoolMetrics(registry)) if batching else pool
+    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl, registry), server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"

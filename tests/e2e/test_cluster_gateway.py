@@ -7,6 +7,7 @@ The tests run in order: the last one kills an attention service.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -107,6 +108,12 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     for address in handles.attention_addresses:          # one series per attention service
         assert f'splitstack_attention_up{{service="{address}"}} 1.0' in metrics
         assert f'splitstack_attention_requests_running{{service="{address}"}} 0.0' in metrics
+    for address in handles.pool_addresses:     # each pool's own metrics, re-exported
+        assert f'splitstack_pool_up{{service="{address}"}} 1.0' in metrics
+        stages = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="stage",'
+                           rf'service="{re.escape(address)}"\}} (\S+)$', metrics, re.M)
+        assert stages and float(stages.group(1)) > 0
+        assert f'splitstack_pool_batch_rows_bucket{{le="1.0",service="{address}"}}' in metrics
 
 
 @pytest.mark.parametrize("body,status,param", [

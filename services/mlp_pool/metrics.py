@@ -1,0 +1,26 @@
+"""MLP pool metrics (prefix `splitstack_pool_`, seconds): stage latency and batch size."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+CALL_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+class PoolMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.stage_seconds = Histogram("splitstack_pool_stage_seconds",
+                                       "Compute time of one batched pool forward (kind: stage "
+                                       "or final)", ["kind"], registry=r,
+                                       buckets=STAGE_BUCKETS)
+        self.batch_rows = Histogram("splitstack_pool_batch_rows",
+                                    "Rows in one batched pool forward", registry=r,
+                                    buckets=ROW_BUCKETS)
+        self.batch_calls = Histogram("splitstack_pool_batch_calls",
+                                     "Calls (from any attention services) merged into one "
+                                     "forward", registry=r, buckets=CALL_BUCKETS)
+        self.failures = Counter("splitstack_pool_failed_forwards_total",
+                                "Batched forwards that raised (every caller of the batch "
+                                "retries elsewhere)", registry=r)
