@@ -21,11 +21,12 @@ import itertools
 import json
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
 import torch
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kernels.sampling import SamplingParams
 from models.config import ModelConfig
@@ -34,6 +35,7 @@ from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.step_driver import QueueDriver
 from services.common.tensor_codec import from_proto, to_proto
 from services.engine import GenerationParams, LLMEngine, PromptExport
+from services.prefill.metrics import PREFILL_BUCKETS
 from services.prefill.service import PrefillService, RemotePrefill
 
 log = logging.getLogger(__name__)
@@ -114,11 +116,22 @@ def export_events(export: PromptExport, cfg: ModelConfig):
 class PrefillServicer(pb_grpc.PrefillServicer):
     def __init__(self, loop: QueueDriver, name: str, service: PrefillService | None = None,
                  registry=None):
-        self.loop, self.name, self.service, self.registry = loop, name, service, registry
+        self.loop, self.name, self.service = loop, name, service
+        self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
         self.prefills = 0
+        r = self.registry
+        self.request_seconds = Histogram(
+            "splitstack_prefill_request_seconds", "Prefill replica: from a call's arrival to "
+            "its prompt's KV being ready (queue + compute)", registry=r, buckets=PREFILL_BUCKETS)
+        self.send_seconds = Histogram(
+            "splitstack_prefill_send_seconds", "Prefill replica: streaming a prompt's KV and "
+            "states to the attention service", registry=r, buckets=PREFILL_BUCKETS)
+        self.prompt_tokens = Counter("splitstack_prefill_prompt_tokens_total",
+                                     "Prompt tokens prefilled by this replica", registry=r)
 
     def Prefill(self, request, context):
+        start = time.perf_counter()
         ids = list(request.prompt_ids)
         try:
             params = prefill_params(request.options, len(ids), self.service)
@@ -136,11 +149,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                 context.abort(grpc.StatusCode.INTERNAL, out.error or "the prefill failed")
             return
         self.prefills += 1
+        self.prompt_tokens.inc(len(ids))
+        ready = time.perf_counter()
+        self.request_seconds.observe(ready - start)
         yield from export_events(out.export, self.cfg)
+        self.send_seconds.observe(time.perf_counter() - ready)
 
     def Stats(self, request, context):
         engine: LLMEngine = self.loop.engine
-        text = generate_latest(self.registry).decode() if self.registry is not None else ""
+        text = generate_latest(self.registry).decode()
         return pb.PrefillStats(name=self.name, running=len(self.loop.streams),
                                waiting=len(engine.scheduler.waiting),
                                kv_usage=engine.blocks.usage, prefills=self.prefills,

@@ -98,6 +98,8 @@ def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_
     for address in cluster.prefill_addresses:      # both replicas report, each under its name
         assert f'splitstack_prefill_up{{service="{address}"}} 1.0' in text
         assert metric(text, "splitstack_prefix_cache_query_tokens_total", service=address) > 0
+        assert metric(text, "splitstack_prefill_request_seconds_count", service=address) > 0
+    assert metric(text, "splitstack_prefill_prompt_tokens_total") == sum(map(len, ids))
     no_leaks(ray_session, cluster, prefills=[0, 1])
 
 
