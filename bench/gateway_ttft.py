@@ -11,8 +11,16 @@ long document prefix and each ends with a new question:
 
 Prints median TTFTs over `--reps`, the ratios, and the hit tokens `/metrics` counted.
 
+With `--cluster` the same runs against the disaggregated deployment on Ray (one attention
+service, one pool replica over grpc, one prefill replica with the prefix cache), and a
+second deployment without a prefill replica adds the arm
+
+    pool    an unseen prefix prefilled by the attention service through the pool
+
+(both deployments up at once, their requests alternated within each repetition).
+
     python bench/gateway_ttft.py [--model models/zoo/smollm2-135m] [--prefix-tokens 1500]
-                                 [--reps 5] [--maps DIR --split 15]
+                                 [--reps 5] [--maps DIR --split 15] [--cluster]
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import httpx
@@ -59,22 +68,45 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--maps", help="RidgeFill maps directory (adds the `ridge` arm)")
     ap.add_argument("--split", type=int, default=None)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="torch threads (embedded engine; each Ray actor with --cluster)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="the disaggregated deployment on Ray instead of the embedded engine")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     prefill = PrefillConfig(maps_dir=args.maps, split=args.split) if args.maps else None
-    app = build_embedded(args.model, served_name="bench", prefill=prefill,
-                         prefix_cache_bytes=1 << 30)
+    plain = None
+    if args.cluster:
+        from services.common.ray_deploy import ClusterConfig, init_ray
+        from services.engine.build import EngineOptions
+        from services.gateway.server import build_cluster
+
+        init_ray()
+        options = EngineOptions(prefill=prefill, prefix_cache_bytes=1 << 30)
+        app, cluster = build_cluster(ClusterConfig(model=args.model, threads=args.threads,
+                                                   prefill_replicas=1, prefill=options),
+                                     served_name="bench")
+        plain, plain_cluster = build_cluster(ClusterConfig(model=args.model,
+                                                           threads=args.threads),
+                                             served_name="bench")
+    else:
+        app = build_embedded(args.model, served_name="bench", prefill=prefill,
+                             prefix_cache_bytes=1 << 30)
     tok = app.state.gateway.tokenizer
     words = " ".join(d.text for d in documents("eval")).split()
     docs = [" ".join(words[i * 3000:(i + 1) * 3000]) for i in range(3 * args.reps + 2)]
     prefixes = [tok.decode(tok(d)["input_ids"][:args.prefix_tokens]) for d in docs]
-    times = {"miss": [], "hit": [], "ridge": []}
-    with running(app) as base:
+    times = {"miss": [], "hit": [], "ridge": [], "pool": []}
+    with running(app) as base, running(plain) if plain is not None else nullcontext() as pbase:
         ttft(base, "bench", prefixes[-1] + "\nQ: warm-up?\nA:")
+        if pbase is not None:
+            ttft(pbase, "bench", prefixes[-2] + "\nQ: warm-up?\nA:")
         hits0 = counter(base, "splitstack_prefix_cache_hit_tokens_total")
         for i in range(args.reps):
             p = prefixes[i]
+            if pbase is not None:
+                times["pool"].append(ttft(pbase, "bench", prefixes[2 * args.reps + i]
+                                          + "\nQ: What is this about?\nA:"))
             times["miss"].append(ttft(base, "bench", p + "\nQ: What is this about?\nA:"))
             times["hit"].append(ttft(base, "bench", p + "\nQ: Summarise it.\nA:"))
             if args.maps:
@@ -82,9 +114,15 @@ def main() -> int:
                                            + "\nQ: What is this about?\nA:",
                                            prefill_mode="ridgefill"))
         hit_tokens = counter(base, "splitstack_prefix_cache_hit_tokens_total") - hits0
+    if args.cluster:
+        cluster.shutdown()
+        plain_cluster.shutdown()
     med = {k: statistics.median(v) for k, v in times.items() if v}
+    where = ("disaggregated on Ray: miss / hit / ridge via the prefill replica, pool = "
+             "prefilled by the attention service through the pool" if args.cluster
+             else "embedded engine")
     print(f"prefix {args.prefix_tokens} tokens, median of {args.reps} (client-side TTFT, "
-          f"streaming, loopback)")
+          f"streaming, loopback; {where})")
     print("| request | TTFT (s) | vs miss |\n|---|---|---|")
     for k, v in med.items():
         print(f"| {k} | {v:.3f} | {med['miss'] / v:.2f}× |")
