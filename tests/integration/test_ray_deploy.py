@@ -89,6 +89,28 @@ def test_bad_cluster_settings_are_refused():
         ClusterConfig(model="unused", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="attention_shards"):
         ClusterConfig(model="unused", attention_shards=0)
+    from services.engine.build import EngineOptions
+    from services.prefill.service import PrefillConfig
+
+    with pytest.raises(ValueError, match="prefill-replicas"):    # the cache lives there
+        ClusterConfig(model="unused", prefill=EngineOptions(prefix_cache_bytes=1 << 20))
+    with pytest.raises(ValueError, match="prefill-replicas"):
+        ClusterConfig(model="unused", prefill=EngineOptions(prefill=PrefillConfig(maps_dir="m")))
+    with pytest.raises(ValueError, match="prefill_replicas"):
+        ClusterConfig(model="unused", prefill_replicas=-1)
+    ClusterConfig(model="unused", prefill_replicas=1,
+                  prefill=EngineOptions(prefix_cache_bytes=1 << 20))
+
+
+def test_serve_refuses_bad_prefill_flags_before_starting_anything(capsys):
+    from services.cli import main
+
+    assert main(["serve", "--prefill-replicas", "0", "--prefix-cache"]) == 2
+    assert "prefill-replicas" in capsys.readouterr().err
+    assert main(["serve", "--attention-shards", "1", "--redis-url", "redis://x"]) == 2
+    assert "need --prefix-cache" in capsys.readouterr().err
+    assert main(["serve", "--prefill-replicas", "1", "--replay-ratio", "3"]) == 2
+    assert "replay_ratio" in capsys.readouterr().err
 
 
 def test_wildcard_binds_are_advertised_as_the_node_ip(ray_session):
