@@ -83,10 +83,13 @@ def test_shard_append_lands_where_the_sweep_reads():
     assert rel(o, o_ref[0]) < 1e-5 and (lse - lse_ref[0]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("gather_keys", [0, cpu_flash.GATHER_KEYS])
 @pytest.mark.parametrize("step", [100, 3])
-def test_run_paged_decode_matches_gathering_reference(step):
+def test_run_paged_decode_matches_gathering_reference(step, gather_keys, monkeypatch):
     """Decode rows over a fragmented block table (odd lengths, an empty row) read in place
-    give the gathering reference's (O, lse)."""
+    (or, for a batch this small, gathered into one call) give the gathering reference's
+    (O, lse)."""
+    monkeypatch.setattr(cpu_flash, "GATHER_KEYS", gather_keys)
     gen = torch.Generator().manual_seed(4)
     bs, kvh, d = 4, 2, 16
     k_cache = torch.randn(300, bs, kvh, d, generator=gen)
