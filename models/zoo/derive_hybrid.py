@@ -3,11 +3,14 @@
 The layout, weight conversion and calibrated init live in `hybrid_init`. Here:
 1. distil layer-wise: every token mixer regresses the parent's mixer output (relative MSE) on
    the parent's own hidden states, so the 30 layers train in parallel from one teacher pass;
-2. distil on logits: per-token KL(parent ‖ child) through the whole child;
+2. distil on logits: per-token KL(parent ‖ child) through the whole child; with
+   `needle_frac` > 0 that share of the batches are retrieval items (`derive.needle_batch`)
+   whose answer-token KL is added, so the child learns the parent's copying;
 3. store what the parent cannot regenerate (`encode_delta`): LoRA factors (fp16) on the
    GDN in_proj_qkv / out_proj, in_proj_z as int8 with per-row scales, the attention q/k
    projections (ballast rows refitted, gate rows trained) in fp16, the small tensors in fp32;
-   `apply_hybrid` rebuilds the checkpoint from the parent and the delta.
+   `apply_hybrid` rebuilds the checkpoint from the parent and the delta; the layout's
+   `fa_phase` is read from the recipe in the delta's metadata.
 
 Trainable: everything the conversion created or changed (GDN tensors, attention q/k
 projections and norms); embeddings, MLPs, layer norms, v/o projections stay frozen.
@@ -22,17 +25,25 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from models.config import FULL_ATTENTION, ModelConfig
 from models.loader import load_model, read_state_dict
 from models.model import CausalLM
-from models.zoo.derive import DELTA_DIR, LoraLinear
-from models.zoo.hybrid_init import base_state, calibrate, hybrid_config, mixer, train_logits
+from models.zoo.derive import DELTA_DIR, LoraLinear, needle_batch
+from models.zoo.hybrid_init import (FA_PHASE, base_state, calibrate, hybrid_config, mixer,
+                                    train_logits)
 
 DELTA = DELTA_DIR / "smollm2-hybrid.safetensors"
 _COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "chat_template.jinja")
+LEGACY_FA_PHASE = 3             # deltas written before the phase was recorded
+
+
+def delta_recipe(delta_path: str | Path) -> dict:
+    with safe_open(str(delta_path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("recipe", "{}"))
 
 
 def build_child(cfg_dict: dict, state: dict[str, torch.Tensor]) -> CausalLM:
@@ -91,8 +102,13 @@ def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
                  delta_path: str | Path | None = None) -> Path:
     """Rebuild the full smollm2-hybrid checkpoint from the parent and the stored delta."""
     parent_dir, out_dir = Path(parent_dir), Path(out_dir)
-    cfg_dict = hybrid_config(parent_dir)
-    delta = load_file(str(delta_path or DELTA))
+    delta_path = delta_path or DELTA
+    recipe = delta_recipe(delta_path)
+    cfg_dict = hybrid_config(parent_dir, recipe.get("fa_phase", LEGACY_FA_PHASE))
+    if recipe.get("layer_types", cfg_dict["layer_types"]) != cfg_dict["layer_types"]:
+        raise ValueError(f"{delta_path}: recorded layer_types {recipe['layer_types']} do not "
+                         f"match fa_phase {recipe.get('fa_phase', LEGACY_FA_PHASE)}")
+    delta = load_file(str(delta_path))
     state = base_state(read_state_dict(parent_dir, torch.float32),
                        ModelConfig.from_hf(cfg_dict))
     for key, value in delta.items():
@@ -152,9 +168,13 @@ def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
 
 def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_steps: int = 60,
                   steps: int = 120, seq_len: int = 512, rank: int = 48,
-                  lr: float = 3e-3, kl_lr: float = 5e-4, seed: int = 0, log=print) -> dict:
+                  lr: float = 3e-3, kl_lr: float = 5e-4, seed: int = 0,
+                  fa_phase: int = FA_PHASE, needle_frac: float = 0.0,
+                  delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint."""
-    from evals.corpus import documents
+    import random
+
+    from evals.corpus import documents, haystack_text
     from services.common.tokenizer import load_tokenizer
 
     torch.manual_seed(seed)
@@ -168,7 +188,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
     batch = lambda i: windows[order[4 + i % (n_windows - 4)]][None]
     start = time.perf_counter()
-    cfg_dict = hybrid_config(parent_dir)
+    cfg_dict = hybrid_config(parent_dir, fa_phase)
     cfg = ModelConfig.from_hf(cfg_dict)
     init = calibrate(parent, cfg, [windows[order[i]][None] for i in range(4)])
     child = build_child(cfg_dict, {**base_state(read_state_dict(parent_dir, torch.float32), cfg),
@@ -196,13 +216,18 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                 f"({time.perf_counter() - start:.0f}s)")
     t_layerwise = time.perf_counter() - start
     opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
     kls = []
     for step in range(steps):
-        b = batch(layerwise_steps + step)
+        b, answer = batch(layerwise_steps + step), None
+        if rng.random() < needle_frac:
+            b, answer = needle_batch(tok, filler, seq_len, rng)
         with torch.no_grad():
             teacher = torch.log_softmax(train_logits(parent, b), -1)
         student = torch.log_softmax(train_logits(child, b), -1)
-        loss = (teacher.exp() * (teacher - student)).sum(-1).mean()
+        kl = (teacher.exp() * (teacher - student)).sum(-1)[0]                   # [T]
+        loss = kl.mean() + (kl[answer].mean() if answer is not None else 0.0)
         opt.zero_grad()
         loss.backward()
         _schedule(opt, kl_lr, step, steps, warmup=5)
@@ -212,19 +237,19 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
             log(f"[hybrid] KL {step}: {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
     seconds = round(time.perf_counter() - start)
     recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
-              "layer_types": cfg_dict["layer_types"], "layerwise_steps": layerwise_steps,
-              "steps": steps, "seq_len": seq_len, "rank": rank, "lr": lr,
-              "kl_lr": kl_lr, "seed": seed,
+              "fa_phase": fa_phase, "layer_types": cfg_dict["layer_types"],
+              "layerwise_steps": layerwise_steps, "steps": steps, "seq_len": seq_len,
+              "rank": rank, "lr": lr, "kl_lr": kl_lr, "seed": seed, "needle_frac": needle_frac,
               "data": "python-stdlib-docstrings (calib split)",
               "layerwise_first": layer_err[0] if layer_err else None,
               "layerwise_last10": sum(layer_err[-10:]) / max(1, len(layer_err[-10:])),
               "kl_first": kls[0] if kls else None,
               "kl_last10": sum(kls[-10:]) / max(1, len(kls[-10:])),
               "seconds_layerwise": round(t_layerwise), "seconds": seconds}
-    DELTA_DIR.mkdir(exist_ok=True)
-    save_file(encode_delta(child), str(DELTA), metadata={"recipe": json.dumps(recipe)})
-    apply_hybrid(parent_dir, out_dir)
+    Path(delta_path).parent.mkdir(parents=True, exist_ok=True)
+    save_file(encode_delta(child), str(delta_path), metadata={"recipe": json.dumps(recipe)})
+    apply_hybrid(parent_dir, out_dir, delta_path)
     recipe["heldout"] = heldout(parent, load_model(out_dir), heldout_windows(tok))
-    recipe["delta_mb"] = round(DELTA.stat().st_size / 2 ** 20, 1)
+    recipe["delta_mb"] = round(Path(delta_path).stat().st_size / 2 ** 20, 1)
     log(f"[hybrid] held-out {recipe['heldout']}, delta {recipe['delta_mb']} MB")
     return recipe

@@ -1,8 +1,10 @@
 """SmolLM2 (Llama) -> Qwen3.5 hybrid: the layout, the weight conversion and the calibrated init.
 
-Layout: layer i is full attention iff (i + 1) % 4 == 0 (Qwen3.5's `full_attention_interval`
-rule), so with 30 layers 3, 7, ..., 27 keep softmax attention and the other 23, including the
-two trailing layers 28 and 29, become Gated DeltaNet.
+Layout: every fourth layer keeps full attention, at a chosen phase: layer i is full
+attention iff i % 4 == fa_phase. Qwen3.5's own `full_attention_interval` rule is phase 3
+(3, 7, ..., 27); phase 2 (2, 6, ..., 26) keeps layers 18 and 22, where SmolLM2's heads that
+attend from the answer to the needle sit. Either way 7 layers keep softmax attention and
+23 become Gated DeltaNet; `layer_types` is written out in config.json.
 
 Conversion (`base_state`, a fixed function of the parent's weights):
 - every RMSNorm is zero-centred in Qwen3.5, so its weight is stored as w − 1;
@@ -40,10 +42,18 @@ from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from models.model import CausalLM
 
 INTERVAL = 4
+FA_PHASE = 3
 CONV_RMS = 0.5
 
 
-def hybrid_config(parent_dir: Path) -> dict:
+def layer_types(n_layers: int, fa_phase: int = FA_PHASE) -> list[str]:
+    if not 0 <= fa_phase < INTERVAL:
+        raise ValueError(f"fa_phase must be in [0, {INTERVAL}), got {fa_phase}")
+    return [FULL_ATTENTION if i % INTERVAL == fa_phase else LINEAR_ATTENTION
+            for i in range(n_layers)]
+
+
+def hybrid_config(parent_dir: Path, fa_phase: int = FA_PHASE) -> dict:
     p = json.loads((Path(parent_dir) / "config.json").read_text())
     parent = ModelConfig.from_hf(p)
     if parent.model_type != "llama" or parent.rope.rope_type != "default":
@@ -64,8 +74,7 @@ def hybrid_config(parent_dir: Path) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": parent.rope.theta,
                             "partial_rotary_factor": 1.0, "mrope_section": [a, b, half - a - b],
                             "mrope_interleaved": True},
-        "layer_types": [FULL_ATTENTION if (i + 1) % INTERVAL == 0 else LINEAR_ATTENTION
-                        for i in range(n)],
+        "layer_types": layer_types(n, fa_phase),
         "linear_num_key_heads": parent.num_attention_heads,
         "linear_num_value_heads": parent.num_attention_heads,
         "linear_key_head_dim": parent.head_dim, "linear_value_head_dim": parent.head_dim,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from models import load_model
@@ -22,10 +23,15 @@ def test_delta_fits_its_budget():
 
 
 def test_layout_is_three_gdn_to_one_attention():
+    """Every fourth layer keeps attention, at the phase the delta records."""
+    from models.zoo.derive_hybrid import LEGACY_FA_PHASE, delta_recipe
+
+    phase = delta_recipe(DELTA).get("fa_phase", LEGACY_FA_PHASE)
     cfg = load_model(HYBRID).config
     assert cfg.model_type == "qwen3_5_text" and cfg.is_hybrid
-    assert cfg.full_attention_layers == [3, 7, 11, 15, 19, 23, 27]
-    assert cfg.linear_attention_layers == [i for i in range(30) if (i + 1) % 4]
+    assert cfg.full_attention_layers == list(range(phase, 30, 4))
+    assert len(cfg.full_attention_layers) == 7 and len(cfg.linear_attention_layers) == 23
+    assert cfg.linear_attention_layers == [i for i in range(30) if i % 4 != phase]
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.zero_centered_norm
     assert cfg.rotary_dim == cfg.head_dim == 64
 
@@ -98,3 +104,14 @@ def test_rebuild_is_deterministic(tmp_path):
     assert (out / "config.json").read_text() == (HYBRID / "config.json").read_text()
     a, b = load_file(out / "model.safetensors"), load_file(HYBRID / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_layer_types_keep_every_fourth_layer_at_the_phase():
+    from models.zoo.hybrid_init import layer_types
+
+    assert [i for i, t in enumerate(layer_types(30, 2)) if t == "full_attention"] == \
+        [2, 6, 10, 14, 18, 22, 26]
+    assert [i for i, t in enumerate(layer_types(30, 3)) if t == "full_attention"] == \
+        [3, 7, 11, 15, 19, 23, 27]
+    with pytest.raises(ValueError):
+        layer_types(30, 4)
