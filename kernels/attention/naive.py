@@ -87,7 +87,9 @@ def plan_paged(block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: in
 
 def gather_plan(cache: torch.Tensor, plan: PagedPlan) -> torch.Tensor:
     """cache [num_blocks, block_size, KV, D] -> [B, L, KV, D]."""
-    return cache.view(-1, *cache.shape[2:])[plan.gather]
+    flat = cache.view(-1, *cache.shape[2:])
+    rows = torch.index_select(flat, 0, plan.gather.reshape(-1))   # ~1.7x advanced indexing
+    return rows.view(*plan.gather.shape, *cache.shape[2:])
 
 
 def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
