@@ -21,9 +21,14 @@ from models.layers import GatedRMSNorm, Linear
 
 class GDNInputs(NamedTuple):
     mixed: torch.Tensor    # [*, conv_dim]  pre-conv q|k|v channels
-    z: torch.Tensor        # [*, HV, Dv]    output gate
+    z: torch.Tensor | None  # [*, HV, Dv]   output gate (None: the rows' output is not wanted)
     b: torch.Tensor        # [*, HV]        beta logits
     a: torch.Tensor        # [*, HV]        decay logits
+
+
+def map_inputs(inp: GDNInputs, fn) -> GDNInputs:
+    """`fn` applied to every tensor of `inp` (a missing z stays missing)."""
+    return GDNInputs(*(None if t is None else fn(t) for t in inp))
 
 
 class GatedDeltaNet(nn.Module):
@@ -49,8 +54,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(value_dim, h, bias=False)
 
-    def inputs(self, xn: torch.Tensor) -> GDNInputs:
-        """xn [*, h] (already normed) -> GDNInputs."""
+    def inputs(self, xn: torch.Tensor, with_z: bool = True) -> GDNInputs:
+        """xn [*, h] (already normed) -> GDNInputs. `with_z=False`: rows whose output is
+        never used (they only advance the state) skip the output gate's projection where the
+        layout keeps it apart (flat); z is None then."""
         lead = xn.shape[:-1]
         if self.layout == "grouped":
             r = self.hv // self.hk
@@ -60,10 +67,10 @@ class GatedDeltaNet(nn.Module):
             b, a = ba.split([r, r], dim=-1)
             mixed = torch.cat([q.reshape(*lead, -1), k.reshape(*lead, -1),
                                v.reshape(*lead, -1)], dim=-1)
-            return GDNInputs(mixed, z.reshape(*lead, self.hv, self.dv),
+            return GDNInputs(mixed, z.reshape(*lead, self.hv, self.dv) if with_z else None,
                              b.reshape(*lead, self.hv), a.reshape(*lead, self.hv))
-        return GDNInputs(self.in_proj_qkv(xn), self.in_proj_z(xn).view(*lead, self.hv, self.dv),
-                         self.in_proj_b(xn), self.in_proj_a(xn))
+        z = self.in_proj_z(xn).view(*lead, self.hv, self.dv) if with_z else None
+        return GDNInputs(self.in_proj_qkv(xn), z, self.in_proj_b(xn), self.in_proj_a(xn))
 
     def mix(self, inp: GDNInputs, conv_state: torch.Tensor | None,
             recurrent_state: torch.Tensor | None, *, chunked: bool = True,

@@ -130,8 +130,8 @@ class CausalLM(nn.Module):
         """x [*, h], o [*, H, D] -> h = x + Wo(o [* sigmoid(gate)])."""
         return x + self.layer(l).self_attn.output(o.to(x.dtype), gate)
 
-    def gdn_inputs(self, l: int, x: torch.Tensor) -> GDNInputs:
-        return self.layer(l).linear_attn.inputs(self.norm_in(l, x))
+    def gdn_inputs(self, l: int, x: torch.Tensor, with_z: bool = True) -> GDNInputs:
+        return self.layer(l).linear_attn.inputs(self.norm_in(l, x), with_z)
 
     def gdn_mix(self, l: int, inp: GDNInputs, conv_state=None, recurrent_state=None, *,
                 chunked: bool = True, out_rows: torch.Tensor | None = None):

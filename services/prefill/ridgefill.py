@@ -23,7 +23,7 @@ import torch
 
 from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
-from models.gdn import GDNInputs
+from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
 from services.prefill.maps import RidgeMaps
 
@@ -228,13 +228,13 @@ class RidgeFill:
         rec0 = torch.zeros(1, lay.hv, lay.dk, lay.dv, dtype=torch.float32,
                            device=inp.mixed.device)
         if split_at is None and correction is None:
-            o, conv, rec = self.model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)), conv0, rec0,
-                                              out_rows=out_rows)
+            o, conv, rec = self.model.gdn_mix(l, map_inputs(inp, lambda t: t[None]), conv0,
+                                              rec0, out_rows=out_rows)
             res.conv[l], res.recurrent[l] = conv[0], rec[0]
             return o[0]
         outs = []
-        head = GDNInputs(*(t[None, :split_at] for t in inp))
-        tail = GDNInputs(*(t[None, split_at:] for t in inp))
+        head = map_inputs(inp, lambda t: t[None, :split_at])
+        tail = map_inputs(inp, lambda t: t[None, split_at:])
         if split_at > 0:
             o, conv0, rec0 = self.model.gdn_mix(
                 l, head, conv0, rec0, out_rows=None if out_rows is None else out_rows[:split_at])
@@ -307,11 +307,22 @@ class RidgeFill:
         use_filled = bool(filled.numel()) and s.fill != "none"
         rows = torch.cat([exact, filled]) if use_filled else exact
         order = torch.argsort(rows)
+        # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
-            inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f))
-            seq = GDNInputs(*(torch.cat([te, tf])[order] for te, tf in zip(inp_e, inp_f)))
+            inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f), with_z=False)
+            dest = torch.empty_like(order)       # sorted position of exact rows, then filled
+            dest[order] = torch.arange(order.numel(), device=order.device)
+            ne = exact.numel()
+
+            def interleave(te, tf):
+                out = te.new_empty((order.numel(), *te.shape[1:]))
+                out[dest[:ne]] = te
+                out[dest[ne:]] = tf
+                return out
+            seq = GDNInputs(interleave(inp_e.mixed, inp_f.mixed), None,
+                            interleave(inp_e.b, inp_f.b), interleave(inp_e.a, inp_f.a))
         else:
-            seq = GDNInputs(*(t[order] for t in inp_e))
+            seq = GDNInputs(inp_e.mixed[order], None, inp_e.b[order], inp_e.a[order])
         sorted_rows = rows[order]
         split_at = int((sorted_rows < p).sum())
         correction = None

@@ -35,7 +35,7 @@ import torch
 
 from kernels.attention import get_backend
 from models.config import FULL_ATTENTION, ModelConfig
-from models.gdn import GDNInputs
+from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
 
 
@@ -131,10 +131,11 @@ def tail_replay(model: CausalLM, tail_ids: torch.Tensor, tail_hidden: torch.Tens
             x = tail_hidden[g].to(model.device, model.dtype)
             g += 1
         for j, l in enumerate(group.linear_layers):
-            inp = model.gdn_inputs(l, x)                                  # rows [k, *]
-            o, conv, rec = model.gdn_mix(l, GDNInputs(*(t[None] for t in inp)))
+            last = ffn_skip and j == len(group.linear_layers) - 1   # its output is not used
+            inp = model.gdn_inputs(l, x, with_z=not last)                 # rows [k, *]
+            o, conv, rec = model.gdn_mix(l, map_inputs(inp, lambda t: t[None]))
             states.conv[index[l]], states.recurrent[index[l]] = conv[0], rec[0]
-            if ffn_skip and j == len(group.linear_layers) - 1:
+            if last:
                 break
             x = model.mlp(l, model.gdn_output(l, x, o[0], inp.z))
     return states
