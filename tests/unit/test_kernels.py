@@ -207,3 +207,18 @@ def test_cpu_flash_accepts_strided_inputs():
     o, _ = cpu_flash.attention_lse(q, k, v)
     o_ref, _ = naive.attention_lse(q, k, v)
     assert rel(o, o_ref) < 1e-5
+
+
+def test_conv_fast_path_equals_hf_grouped_conv1d():
+    """The time-major fast path computes what HF's grouped conv1d does (same dtype)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 37, 24, generator=gen)
+    w = torch.randn(24, 4, generator=gen)
+    state = torch.randn(2, 24, 3, generator=gen)
+    xp = torch.cat([state, x.transpose(1, 2)], dim=2)
+    want = F.silu(F.conv1d(xp, w.view(24, 1, 4), groups=24)).transpose(1, 2)
+    y, s = causal_conv1d(x, w, state)
+    assert y.is_contiguous() and (y - want).abs().max().item() <= 1e-6
+    assert torch.equal(s, xp[:, :, -3:])
