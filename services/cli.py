@@ -164,7 +164,12 @@ def cmd_derive(args: argparse.Namespace) -> int:
     elif args.what == "hybrid":
         if args.layerwise_steps is not None:
             opts["layerwise_steps"] = args.layerwise_steps
-        recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log, **opts)
+        if args.fa_phase is not None:
+            opts["fa_phase"] = args.fa_phase
+        if args.delta:
+            opts["delta_path"] = args.delta
+        recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,
+                                             needle_frac=args.needle_frac, **opts)
         print(json.dumps(recipe, indent=2))
     elif args.what == "apply-hybrid":
         print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out)}")
@@ -357,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--seed", type=int, default=0)
     der.add_argument("--needle-frac", type=float, default=0.0,
                      help="share of distillation batches that are retrieval items")
+    der.add_argument("--fa-phase", type=int, choices=range(4), default=None,
+                     help="hybrid: layers i with i %% 4 == phase keep attention (default 3)")
+    der.add_argument("--delta", help="hybrid: where the delta goes (default: the zoo's, "
+                                     "models/zoo/deltas/smollm2-hybrid.safetensors)")
     der.add_argument("--threads", type=int, default=2)
     der.set_defaults(func=cmd_derive)
 

@@ -39,3 +39,19 @@ def test_generate_bad_token_ids_message(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     proc = run_cli("generate", "--model", str(path), "--token-ids", "1,x")
     assert proc.returncode != 0 and "comma-separated integers" in proc.stderr
+
+
+def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
+    """`derive hybrid --fa-phase/--needle-frac/--delta` reach `derive_hybrid` (the training
+    itself is tested in tests/integration/test_hybrid_checkpoint.py)."""
+    from models.zoo import derive_hybrid
+    from services.cli import main
+
+    seen = {}
+    monkeypatch.setattr(derive_hybrid, "derive_hybrid",
+                        lambda parent, out, **kw: seen.update(kw, out=out) or {"ok": True})
+    assert main(["derive", "hybrid", "--fa-phase", "2", "--needle-frac", "0.5", "--threads",
+                 "1", "--delta", str(tmp_path / "d.safetensors"), "--out",
+                 str(tmp_path / "m"), "--steps", "3"]) in (0, None)
+    assert seen["fa_phase"] == 2 and seen["needle_frac"] == 0.5 and seen["steps"] == 3
+    assert seen["delta_path"] == str(tmp_path / "d.safetensors")
