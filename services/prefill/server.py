@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import threading
 import time
 from concurrent import futures
@@ -38,7 +37,6 @@ from services.engine import GenerationParams, LLMEngine, PromptExport
 from services.prefill.metrics import PREFILL_BUCKETS
 from services.prefill.service import PrefillService, RemotePrefill
 
-log = logging.getLogger(__name__)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
                 ("grpc.max_receive_message_length", 512 << 20)]
 
