@@ -226,7 +226,8 @@ class AttentionReplica:
         if prefill_addresses:
             from services.prefill.server import PrefillClient
 
-            prefill = PrefillClient(prefill_addresses, cfg, model.dtype)
+            prefill = PrefillClient(prefill_addresses, cfg, model.dtype,
+                                    cache_aware=c.prefill.prefix_cache_bytes is not None)
         self.server, bound, self.loop = serve_attention(
             self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill)
         self.addr = _advertised(bound)

@@ -167,15 +167,29 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return pb.Empty()
 
 
+class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
+    """The replica's prefix cache, probed for routing (thread-safe: the cache locks)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def Probe(self, request, context):
+        return pb.ProbeReply(resident_tokens=self.cache.resident_tokens(list(request.tokens)))
+
+
 def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
                   address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64):
-    """Start the engine's step loop and a gRPC server for it; returns (server, bound
-    address, loop). Each call in flight holds one handler thread."""
+    """Start the engine's step loop and a gRPC server for it (and for its prefix cache, if
+    it has one); returns (server, bound address, loop). Each call in flight holds one
+    handler thread."""
     loop = QueueDriver(engine, f"{name}-steps")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=GRPC_OPTIONS)
     pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry),
                                           server)
+    if engine.prefix is not None:
+        pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
+                                                  server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop
@@ -204,33 +218,63 @@ class CancelHandle:
 
 
 class PrefillClient:
-    """Calls the prefill replica with the fewest calls in flight (ties round robin). A
-    replica that cannot be reached, or dies mid-stream, is skipped and the prefill made
-    again on the next one: a prefill holds no state. Thread-safe."""
+    """Calls the prefill replica with the fewest calls in flight (ties round robin). With
+    `cache_aware`, replicas are first probed for the prompt's prefix in their memory tier
+    and the one holding the most of it is preferred, unless it has `MAX_SKEW` more calls in
+    flight than the least loaded. A replica that cannot be reached, or dies mid-stream, is
+    skipped and the prefill made again on the next one: a prefill holds no state.
+    Thread-safe."""
 
-    def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype):
+    MAX_SKEW = 4           # calls in flight a cache hit may cost over the least loaded
+    PROBE_TIMEOUT_S = 0.5
+
+    def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype,
+                 cache_aware: bool = False):
         if not addresses:
             raise ValueError("a prefill client needs at least one prefill replica")
         self.cfg, self.dtype = cfg, dtype
         self.addresses = list(addresses)
-        self.stubs = [pb_grpc.PrefillStub(grpc.insecure_channel(a, options=GRPC_OPTIONS))
-                      for a in self.addresses]
+        channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        self.stubs = [pb_grpc.PrefillStub(c) for c in channels]
+        self.probes = ([pb_grpc.PrefixCacheStub(c) for c in channels]
+                       if cache_aware and len(channels) > 1 else None)
         self.inflight = [0] * len(addresses)
         self.retries = 0
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def _order(self) -> list[int]:
+    def _resident(self, prompt_ids: list[int]) -> list[int]:
+        """Per replica, the prompt's leading tokens in its memory tier (0 if it fails)."""
+        request = pb.ProbeRequest(tokens=prompt_ids)
+        futures_ = [p.Probe.future(request, timeout=self.PROBE_TIMEOUT_S) for p in self.probes]
+        out = []
+        for f in futures_:
+            try:
+                out.append(f.result().resident_tokens)
+            except grpc.RpcError:
+                out.append(0)
+        return out
+
+    def _order(self, prompt_ids: list[int] | None = None) -> list[int]:
+        resident = (self._resident(prompt_ids) if self.probes is not None and prompt_ids
+                    else None)
         with self._lock:
             turn = next(self._turn)
             n = len(self.stubs)
-            return sorted(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+            order = sorted(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+            if resident is not None:
+                least = self.inflight[order[0]]
+                best = max(order, key=lambda i: resident[i])     # stable: least loaded first
+                if resident[best] > 0 and self.inflight[best] - least < self.MAX_SKEW:
+                    order.remove(best)
+                    order.insert(0, best)
+            return order
 
     def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
                 cancel: CancelHandle | None = None) -> PromptExport:
         request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options)
         errors = []
-        for i in self._order():
+        for i in self._order(prompt_ids):
             if cancel is not None and cancel.cancelled:
                 raise PrefillCancelled()
             with self._lock:

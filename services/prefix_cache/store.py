@@ -210,6 +210,19 @@ class PrefixCache:
             return None
         return Hit(self, parts, pinned, "redis" if tier_rows["redis"] else "memory")
 
+    def resident_tokens(self, tokens: Sequence[int]) -> int:
+        """Leading tokens of `tokens` whose full blocks sit in the memory tier: a probe for
+        routing (no pins, no LRU touch, no Redis, no metrics)."""
+        bs, n = self.config.block_size, len(tokens)
+        parent, m = self.root, 0
+        with self._lock:
+            while m + bs <= n:
+                key = block_key(parent, bs, [int(t) for t in tokens[m:m + bs]])
+                if key not in self._blocks:
+                    break
+                parent, m = key, m + bs
+        return m
+
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._bytes, self.config.capacity_bytes, len(self._blocks),

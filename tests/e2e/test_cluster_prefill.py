@@ -2,9 +2,10 @@
 replicas (prefix cache with the shared Redis tier), 1 attention service (KV over 2 shards)
 and 1 MLP pool replica, reached over HTTP with the official `openai` client.
 
-Prompts are prefilled on a prefill replica and decoded on the attention service; a shared
-prefix stored by one replica is found by the other through Redis; request prefill fields
-are checked by the prefill service (4xx); a killed prefill replica is retried on the other.
+Prompts are prefilled on a prefill replica and decoded on the attention service; request
+prefill fields are checked by the prefill service (4xx); prompts are routed to the replica
+that holds their prefix; a killed prefill replica is retried on the other, which finds its
+prefixes in Redis.
 The tests run in order: the last one kills a replica.
 """
 from __future__ import annotations
@@ -93,12 +94,12 @@ def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_
             time.sleep(0.2)
     text = scrape(base)
     assert metric(text, "splitstack_prefix_cache_hit_tokens_total") == want_hits
-    # round robin put consecutive prompts on different replicas: found through Redis
-    assert metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="redis") > 0
+    # cache-aware routing: every prompt went where its prefix already was (memory tier)
+    assert metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="memory") == want_hits
     for address in cluster.prefill_addresses:      # both replicas report, each under its name
         assert f'splitstack_prefill_up{{service="{address}"}} 1.0' in text
-        assert metric(text, "splitstack_prefix_cache_query_tokens_total", service=address) > 0
-        assert metric(text, "splitstack_prefill_request_seconds_count", service=address) > 0
+    assert metric(text, "splitstack_prefix_cache_query_tokens_total") == sum(map(len, ids))
+    assert metric(text, "splitstack_prefill_request_seconds_count") == len(ids)
     assert metric(text, "splitstack_prefill_prompt_tokens_total") == sum(map(len, ids))
     no_leaks(ray_session, cluster, prefills=[0, 1])
 
@@ -119,14 +120,26 @@ def test_prefill_fields_are_checked_by_the_prefill_service(deployment, extra, pa
     assert ok.status_code == 200
 
 
-def test_killed_prefill_replica_is_retried_on_the_other(deployment, server, ray_session):
+def test_killed_prefill_replica_is_retried_and_its_prefixes_found_in_redis(
+        deployment, server, ray_session):
+    """Kill the replica that holds the document in memory: the next prompts are retried on
+    the other replica, which finds the document's prefix through Redis."""
     base, cluster = deployment
     plain, _ = server
-    ray_session.kill(cluster.prefills[0])
-    prompts = [f"Write the number {n} in words:" for n in (17, 240, 3)]
+    text = scrape(base)
+    held = [metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="memory", service=a)
+            for a in cluster.prefill_addresses]
+    dead = held.index(max(held))
+    ray_session.kill(cluster.prefills[dead])
+    redis_before = metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="redis")
+    question = DOCUMENT + "Question: where does the green owl sleep?\nAnswer:"
+    prompts = [question] + [f"Write the number {n} in words:" for n in (17, 240, 3)]
     for p in prompts:
         assert complete(base, p, 6) == complete(plain, p, 6)
     text = scrape(base)
-    assert f'splitstack_prefill_up{{service="{cluster.prefill_addresses[0]}"}} 0.0' in text
+    dead_address = cluster.prefill_addresses[dead]
+    assert f'splitstack_prefill_up{{service="{dead_address}"}} 0.0' in text
     assert metric(text, "splitstack_attention_prefill_retries") >= 1
-    no_leaks(ray_session, cluster, prefills=[1])
+    assert metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="redis") \
+        > redis_before + 300
+    no_leaks(ray_session, cluster, prefills=[1 - dead])

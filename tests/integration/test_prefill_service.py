@@ -261,3 +261,30 @@ def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
         server.stop(0)
         loop.shutdown()
     no_leaks(shards, engine)
+
+
+def test_cache_aware_routing_sends_a_prefix_where_it_is_cached(tiny_checkpoint, servers):
+    """Two replicas with memory-only prefix caches: prompts sharing a stored prefix go to
+    the replica that holds it (every one a hit there), not round robin."""
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    options = EngineOptions(kv_cache_bytes=8 << 20, prefix_cache_bytes=64 << 20)
+    a0, e0, r0, _ = servers(model, path, options, name="prefill-0")
+    a1, e1, r1, _ = servers(model, path, options, name="prefill-1")
+    client = PrefillClient([a0, a1], model.config, model.dtype, cache_aware=True)
+    base = prompts((50,))[0]
+    client.prefill(base, pb.PrefillOptions())
+    e0.prefix.drain()
+    e1.prefix.drain()
+    for seed in (5, 6, 7):
+        client.prefill(base[:40] + prompts((8,), seed=seed)[0], pb.PrefillOptions())
+
+    def hits(registry):
+        return sum(m.value for fam in registry.collect() for m in fam.samples
+                   if m.name == "splitstack_prefix_cache_hit_tokens_total")
+    assert sorted([hits(r0), hits(r1)]) == [0, 3 * 40]
+    plain = PrefillClient([a0, a1], model.config, model.dtype)     # round robin: misses
+    before = hits(r0) + hits(r1)
+    for seed in (8, 9):
+        plain.prefill(base[:40] + prompts((8,), seed=seed)[0], pb.PrefillOptions())
+    assert hits(r0) + hits(r1) - before < 2 * 40
