@@ -264,13 +264,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_cluster(args)
     torch.set_num_threads(args.threads or 2)
     try:
-        o = _engine_options(args)
         app = build_embedded(args.model, served_name=args.served_model_name,
-                             dtype=DTYPES[args.dtype], max_num_seqs=o.max_num_seqs,
-                             kv_cache_bytes=o.kv_cache_bytes, prefill=o.prefill,
-                             prefix_cache_bytes=o.prefix_cache_bytes,
-                             prefix_block_size=o.prefix_block_size, redis_url=o.redis_url,
-                             reuse_filled=o.reuse_filled, replay_ratio=o.replay_ratio)
+                             dtype=DTYPES[args.dtype], options=_engine_options(args))
     except ValueError as err:   # bad prefill or prefix-cache settings, or maps: refuse to start
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -40,10 +40,9 @@ class StepDriver:
         raise NotImplementedError
 
     def _handle(self, kind: str, arg) -> None:
-        if kind == "add":          # arg: a submission with prompt_ids, params, done, error
+        if kind == "add":   # arg: a submission: prompt_ids, params, extra, done, error
             try:
-                arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params,
-                                                     **getattr(arg, "extra", {}))
+                arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params, **arg.extra)
                 self.streams[arg.seq_id] = arg
             except Exception as exc:  # noqa: BLE001 — RequestError and friends: the caller's
                 arg.error = exc

@@ -2,5 +2,5 @@
 from services.engine.engine import EngineConfig, LLMEngine, PromptExport, StepOutput
 from services.engine.sequence import GenerationParams, RequestError, Sequence
 
-__all__ = ["LLMEngine", "EngineConfig", "PromptExport", "StepOutput", "GenerationParams", "RequestError",
-           "Sequence"]
+__all__ = ["LLMEngine", "EngineConfig", "PromptExport", "StepOutput", "GenerationParams",
+           "RequestError", "Sequence"]

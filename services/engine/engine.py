@@ -206,15 +206,12 @@ class LLMEngine:
             if (not seq.params.export_prompt or seq.finished or seq.output_ids
                     or c.start + c.length < len(seq.prompt_ids)):
                 continue
-            n, bs = len(seq.prompt_ids), self.cache.block_size
-            pos = torch.arange(n)
-            slots = torch.tensor(seq.block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
+            slots = self.cache.token_slots(seq.block_table, len(seq.prompt_ids))
             conv = rec = None
             if seq.state_slot is not None:
                 conv = self.cache.conv[:, seq.state_slot].clone()
                 rec = self.cache.recurrent[:, seq.state_slot].clone()
-            exports[seq.seq_id] = PromptExport(
-                self.cache.read_rows(slots.to(self.cache.kv.device)), conv, rec)
+            exports[seq.seq_id] = PromptExport(self.cache.read_rows(slots), conv, rec)
         return exports
 
     def _prefill_out_of_band(self, chunks) -> list[StepOutput]:

@@ -51,9 +51,16 @@ class CacheStorage:
         self.kv[0, i].view(-1, kvh, d)[slots] = k.to(self.kv.dtype)
         self.kv[1, i].view(-1, kvh, d)[slots] = v.to(self.kv.dtype)
 
+    def token_slots(self, block_table: list[int], n: int) -> torch.Tensor:
+        """Flat slots (block * block_size + offset) of positions [0, n) of a block table."""
+        bs, pos = self.block_size, torch.arange(n)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return (table[pos // bs] * bs + pos % bs).to(self.kv.device)
+
     def read_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots [N] flat token slots -> a copy of their KV, [F, 2, N, KV, D]."""
-        return self.kv.flatten(2, 3)[:, :, slots].transpose(0, 1).contiguous()
+        """slots [N] flat token slots -> a copy of their KV, [F, 2, N, KV, D] (a
+        transposed view of the gathered copy)."""
+        return self.kv.flatten(2, 3)[:, :, slots].transpose(0, 1)
 
     def reset_slot(self, slot: int) -> None:
         if self.conv is not None:

@@ -150,20 +150,13 @@ class PrefixReuse:
         stream = self._copy_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             kv = hit.kv().to(self.storage.kv.device, non_blocking=True)   # [F, 2, m, KV, D]
-            slots = self._slots(seq, hit.length)
+            slots = self.storage.token_slots(seq.block_table, hit.length)
             for i, l in enumerate(self.model.config.full_attention_layers):
                 self.storage.write_kv(l, slots, kv[i, 0], kv[i, 1])
             if stream is not None:
                 stream.synchronize()
         self.metrics.transfer_seconds.observe(time.perf_counter() - start)
         return hit.hidden() if want_hidden else None
-
-    def _slots(self, seq: Sequence, n: int) -> torch.Tensor:
-        """Flat cache slots of positions [0, n) of `seq`."""
-        bs = self.storage.block_size
-        pos = torch.arange(n)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.storage.kv.device)
 
     # ---- after a step --------------------------------------------------------------
     def end(self, chunks: list[ScheduledChunk]) -> None:
@@ -184,7 +177,7 @@ class PrefixReuse:
 
     def _insert(self, seq: Sequence, rows: list[torch.Tensor]) -> None:
         n = len(seq.prompt_ids)
-        slots = self._slots(seq, n)
+        slots = self.storage.token_slots(seq.block_table, n)
         kv = self.storage.read_rows(slots).cpu()                               # [F, 2, n, KV, D]
         hidden = torch.cat(rows, dim=1).cpu() if self.hidden_layers else None   # [G, n, H]
         provenance = torch.zeros(n, dtype=torch.uint8)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.common.step_driver import StepDriver
 from services.engine import GenerationParams, LLMEngine, StepOutput
@@ -24,6 +24,7 @@ class _Submit:
     done: threading.Event
     seq_id: int | None = None
     error: Exception | None = None
+    extra: dict = field(default_factory=dict)       # more keyword arguments of add_request
 
 
 class EngineBackend(StepDriver):

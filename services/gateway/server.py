@@ -12,24 +12,18 @@ from services.engine.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
 from services.gateway.metrics import GatewayMetrics
-from services.prefill.service import PrefillConfig
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
-                   dtype: torch.dtype = torch.float32, max_num_seqs: int = 16,
-                   kv_cache_bytes: int = 1 << 30, prefill: PrefillConfig | None = None,
-                   prefix_cache_bytes: int | None = None, prefix_block_size: int = 16,
-                   redis_url: str | None = None, reuse_filled: bool = False,
-                   replay_ratio: float = 0.1):
-    """`prefill` (server flags --prefill-mode, --maps, ...) adds the RidgeFill prefill
-    service; requests then choose with `prefill_mode` / `ridgefill`. `prefix_cache_bytes`
-    (--prefix-cache) turns the prefix cache on, keyed by the model's fingerprint and dtype;
-    requests may set their own `replay_ratio`."""
+                   dtype: torch.dtype = torch.float32, options: EngineOptions | None = None,
+                   **engine_options):
+    """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
+    `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
+    adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
+    `ridgefill`; `prefix_cache_bytes` (--prefix-cache) turns the prefix cache on, keyed by
+    the model's fingerprint and dtype, and requests may set their own `replay_ratio`."""
     model_dir = Path(model_dir)
-    options = EngineOptions(max_num_seqs=max_num_seqs, kv_cache_bytes=kv_cache_bytes,
-                            prefill=prefill, prefix_cache_bytes=prefix_cache_bytes,
-                            prefix_block_size=prefix_block_size, redis_url=redis_url,
-                            reuse_filled=reuse_filled, replay_ratio=replay_ratio)
+    options = options or EngineOptions(**engine_options)
     model = load_model(model_dir, dtype=dtype)
     registry = CollectorRegistry()
     engine, service = build_engine(model, model_dir, options, registry)

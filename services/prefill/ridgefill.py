@@ -102,10 +102,7 @@ class PrefillResult:
     def write(self, cache, block_table: list[int], state_slot: int | None) -> None:
         """Store into an engine `CacheStorage`: KV at the prompt's slots, GDN states."""
         n = next(iter(self.k.values())).shape[0] if self.k else 0
-        bs = cache.block_size
-        pos = torch.arange(n)
-        slots = torch.tensor(block_table, dtype=torch.long)[pos // bs] * bs + pos % bs
-        slots = slots.to(cache.kv.device)
+        slots = cache.token_slots(block_table, n)
         for l in self.k:
             if not bool(self.valid[l].all()):
                 raise FillError("a no-fill prefill leaves keys missing; it is an eval arm "
