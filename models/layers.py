@@ -6,32 +6,65 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class Linear(nn.Linear):
-    """nn.Linear whose few-row products (decode steps) run as `W @ xᵀ`.
+PACK_MIN_BYTES = 8 << 20   # single-row products with a weight this big use MKL's packed GEMM
+
+
+def _packed_single_row(weight: torch.Tensor) -> torch.Tensor | None:
+    """MKL's packed copy of `weight` for one-row products, built on first use; None where
+    MKL is missing or the weight is small (it stays in cache, and the plain GEMV is fine).
+
+    A one-row `x @ Wᵀ` against an LM head that does not fit in cache runs as a single-core
+    GEMV, about half memory bandwidth; the packed product streams it on every core (1.8x on
+    a 67 MB head, 2 cores; bench/engine_vs_hf.py at batch 1). The copy costs the weight's
+    size once. It is rebuilt when the weight changes in place (`_version`), so training
+    code that edits weights between calls never reads a stale copy (inference tensors have
+    no version counter: one edited in place under `torch.inference_mode` is not seen).
+    """
+    if (weight.numel() * weight.element_size() < PACK_MIN_BYTES or weight.dtype != torch.float32
+            or not torch.backends.mkl.is_available()):
+        return None
+    version = -1 if weight.is_inference() else weight._version
+    cached = getattr(weight, "_splitstack_packed", None)
+    if cached is None or cached[0] != version:
+        with torch.no_grad():
+            cached = (version, torch.ops.mkl._mkl_reorder_linear_weight(weight, 1))
+        weight._splitstack_packed = cached
+    return cached[1]
+
+
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            few_rows: int = 64) -> torch.Tensor:
+    """`x @ weightᵀ (+ bias)`, choosing the CPU product by row count (`Linear`, tied heads).
 
     With MKL on CPU, `x @ Wᵀ` for a handful of rows runs well below memory bandwidth, while
     the same product as `W @ xᵀ` streams W row-major: about 1.6x faster at 8 rows (measured
-    on the 2-core CI machine; bench/engine_vs_hf.py). Larger batches keep F.linear.
+    on the 2-core CI machine; bench/engine_vs_hf.py). One row (a batch-1 decode step) is a
+    GEMV: plain `F.linear`, or the packed product for a weight bigger than the caches.
+    Larger batches and other devices keep F.linear.
     """
+    rows = x.numel() // x.shape[-1]
+    if x.device.type != "cpu" or not 0 < rows <= few_rows:
+        return F.linear(x, weight, bias)
+    if rows == 1:
+        packed = None if torch.is_grad_enabled() and weight.requires_grad \
+            else _packed_single_row(weight)
+        if packed is None:
+            return F.linear(x, weight, bias)
+        y = torch.ops.mkl._mkl_linear(x.reshape(1, -1).contiguous(), packed, weight, bias, 1)
+        return y.reshape(*x.shape[:-1], -1)
+    y = (weight @ x.reshape(rows, -1).T).T.contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], -1)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (decode steps) take `project`'s CPU strategy."""
 
     few_rows = 64
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if not 0 < rows <= self.few_rows or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        y = (self.weight @ x.reshape(rows, -1).T).T.contiguous()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*x.shape[:-1], -1)
-
-
-def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`x @ weightᵀ` with the same few-row strategy as `Linear` (for tied LM heads)."""
-    rows = x.numel() // x.shape[-1]
-    if not 0 < rows <= Linear.few_rows or x.device.type != "cpu":
-        return F.linear(x, weight)
-    return (weight @ x.reshape(rows, -1).T).T.contiguous().reshape(*x.shape[:-1], -1)
+        return project(x, self.weight, self.bias, self.few_rows)
 
 
 class RMSNorm(nn.Module):

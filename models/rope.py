@@ -33,6 +33,7 @@ class Rotary:
         self.head_dim = head_dim
         self.inv_freq = inv_frequencies(rope, rotary_dim)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None   # fp32 [P, rotary_dim]
+        self._last: tuple | None = None   # (positions copy, dtype, cos, sin)
 
     def _tables(self, max_pos: int, device: torch.device):
         """fp32 cos/sin for positions [0, P), P grown by doubling; each row is computed
@@ -43,20 +44,34 @@ class Rotary:
             pos = torch.arange(size, device=device).float()
             freqs = pos[:, None] * self.inv_freq.to(device)
             emb = torch.cat([freqs, freqs], dim=-1)
-            self._table = (emb.cos(), emb.sin())
+            # sin carries the rotation's sign: rotate_half(x) · sin == roll(x) · signed sin
+            sin = emb.sin()
+            sin[:, :self.rotary_dim // 2].neg_()
+            self._table = (emb.cos(), sin)
         return self._table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """positions [*] long -> cos, sin [*, rotary_dim] in `dtype` (computed in fp32)."""
+        """positions [*] long -> cos, signed sin [*, rotary_dim] in `dtype` (computed in fp32;
+        the first half of sin negated, the form `apply` takes).
+
+        Every layer of a step asks for the same positions, so the last lookup is kept and
+        reused when the positions are equal (one comparison instead of the lookup)."""
+        last = self._last
+        if last is not None and last[1] == dtype and last[0].shape == positions.shape \
+                and last[0].device == positions.device and torch.equal(last[0], positions):
+            return last[2], last[3]
         cos, sin = self._tables(int(positions.max()) + 1, positions.device)
-        return cos[positions].to(dtype), sin[positions].to(dtype)
+        cos, sin = cos[positions].to(dtype), sin[positions].to(dtype)
+        self._last = (positions.clone(), dtype, cos, sin)
+        return cos, sin
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [*, heads, D]; cos/sin [*, rotary_dim]."""
+        """x [*, heads, D]; cos / signed sin [*, rotary_dim] from `cos_sin`.
+
+        x·cos + rotate_half(x)·sin with rotate_half(x) = [−x₂, x₁]: written as
+        roll(x)·[−sin₁, sin₂] (roll(x) = [x₂, x₁]), the same products and sums, bit for bit."""
         rd = self.rotary_dim
         cos, sin = cos[..., None, :], sin[..., None, :]
-        rot, rest = x[..., :rd], x[..., rd:]
-        half = rd // 2
-        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-        out = rot * cos + rotated * sin
-        return out if rd == self.head_dim else torch.cat([out, rest], dim=-1)
+        rot = x if rd == self.head_dim else x[..., :rd]
+        out = rot * cos + torch.roll(rot, rd // 2, dims=-1) * sin
+        return out if rd == self.head_dim else torch.cat([out, x[..., rd:]], dim=-1)

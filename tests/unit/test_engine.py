@@ -212,8 +212,10 @@ def test_export_prompt_hands_back_kv_states_and_logits(tiny_checkpoint):
     kv, _ = prompt_rows(model, torch.tensor(ids))
     logits, _, states = continue_prefill(model, torch.tensor(ids), kv[:, :, :0],
                                          zero_states(model), return_cache=True)
-    assert ex.num_tokens == 37 and (ex.kv - kv).abs().max() <= 1e-5
+    # chunks of 16 vs one pass round differently in the GDN layers (up to 1.3e-5 in K/V and
+    # conv states on an AMD EPYC with MKL; under 1e-5 on the Intel machines before it)
+    assert ex.num_tokens == 37 and (ex.kv - kv).abs().max() <= 5e-5
     assert (ex.recurrent - states.recurrent).abs().max() <= 1e-4
-    assert (ex.conv - states.conv).abs().max() <= 1e-5
+    assert (ex.conv - states.conv).abs().max() <= 5e-5
     assert (ex.logits - logits[-1]).abs().max() <= 1e-4
     assert engine.blocks.num_free == engine.blocks.num_blocks
