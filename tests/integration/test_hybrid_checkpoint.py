@@ -61,7 +61,9 @@ def test_every_layer_matches_hf_on_hf_inputs():
     """Layer by layer, fed HF's own hidden states, our layers give HF's next hidden state to
     fp32 rounding. End to end the two can drift further on some texts (about 1e-3 on TEXT):
     the parent's frozen MLPs that create its massive activations (layers 2 and 11, |h| up
-    to ~18,000) amplify the ~1e-7 relative rounding differences by a few hundred."""
+    to ~18,000) amplify the ~1e-7 relative rounding differences by a few hundred.
+    Per layer the bound is 5e-6 of the row's largest entry: up to 2.8e-6 seen on an AMD EPYC
+    (MKL's summation order there differs from HF's in the K = 1536 down projection)."""
     from kernels.attention import get_backend
     from services.common.tokenizer import load_tokenizer
 
@@ -83,7 +85,7 @@ def test_every_layer_matches_hf_on_hf_inputs():
             h = ours.gdn_output(l, x, ours.gdn_mix(l, inp)[0], inp.z)
         ref = states[l + 1][0]
         err, scale = (ours.mlp(l, h)[0] - ref).abs().amax(-1), ref.abs().amax(-1)   # [T]
-        assert (err <= 1e-6 * scale + 2e-5).all(), (l, err.max().item())
+        assert (err <= 5e-6 * scale + 2e-5).all(), (l, err.max().item())
 
 
 def test_heldout_loss_is_near_the_parent():
