@@ -6,23 +6,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
-PACK_MIN_BYTES = 8 << 20   # single-row products with a weight this big use MKL's packed GEMM
+PACK_MIN_ELEMENTS = 2 << 20   # fp32 weights of 8 MB and up: one-row products run packed
+_MKL = torch.backends.mkl.is_available()
 
 
-def _packed_single_row(weight: torch.Tensor) -> torch.Tensor | None:
-    """MKL's packed copy of `weight` for one-row products, built on first use; None where
-    MKL is missing or the weight is small (it stays in cache, and the plain GEMV is fine).
+def _packed_single_row(weight: torch.Tensor) -> torch.Tensor:
+    """MKL's packed copy of an fp32 `weight` for one-row products, built on first use.
 
     A one-row `x @ Wᵀ` against an LM head that does not fit in cache runs as a single-core
-    GEMV, about half memory bandwidth; the packed product streams it on every core (1.8x on
-    a 67 MB head, 2 cores; bench/engine_vs_hf.py at batch 1). The copy costs the weight's
-    size once. It is rebuilt when the weight changes in place (`_version`), so training
-    code that edits weights between calls never reads a stale copy (inference tensors have
-    no version counter: one edited in place under `torch.inference_mode` is not seen).
+    GEMV, about half memory bandwidth; the packed product streams it on every core (1.9x on
+    a 67 MB head, 2 cores; bench/linear_products.py). The copy costs the weight's size once.
+    It is rebuilt when the weight changes in place (`_version`), so training code that edits
+    weights between calls never reads a stale copy (inference tensors have no version
+    counter: one edited in place under `torch.inference_mode` is not seen).
     """
-    if (weight.numel() * weight.element_size() < PACK_MIN_BYTES or weight.dtype != torch.float32
-            or not torch.backends.mkl.is_available()):
-        return None
     version = -1 if weight.is_inference() else weight._version
     cached = getattr(weight, "_splitstack_packed", None)
     if cached is None or cached[0] != version:
@@ -37,21 +34,24 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """`x @ weightᵀ (+ bias)`, choosing the CPU product by row count (`Linear`, tied heads).
 
     With MKL on CPU, `x @ Wᵀ` for a handful of rows runs well below memory bandwidth, while
-    the same product as `W @ xᵀ` streams W row-major: about 1.6x faster at 8 rows (measured
-    on the 2-core CI machine; bench/engine_vs_hf.py). One row (a batch-1 decode step) is a
-    GEMV: plain `F.linear`, or the packed product for a weight bigger than the caches.
-    Larger batches and other devices keep F.linear.
+    the same product as `W @ xᵀ` streams W row-major: 1.6-3x faster at 8 rows (measured per
+    shape by bench/linear_products.py). One row (a batch-1 decode step) is a GEMV: plain
+    `F.linear`, or the packed product for an fp32 weight bigger than the caches (the LM
+    head). Larger batches and other devices keep F.linear. This runs for every projection
+    of a decode step, so the checks are ordered cheapest first.
     """
-    rows = x.numel() // x.shape[-1]
-    if x.device.type != "cpu" or not 0 < rows <= few_rows:
+    if not x.is_cpu:
         return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
     if rows == 1:
-        packed = None if torch.is_grad_enabled() and weight.requires_grad \
-            else _packed_single_row(weight)
-        if packed is None:
+        if weight.numel() < PACK_MIN_ELEMENTS or not _MKL or weight.dtype != torch.float32 \
+                or (weight.requires_grad and torch.is_grad_enabled()):
             return F.linear(x, weight, bias)
-        y = torch.ops.mkl._mkl_linear(x.reshape(1, -1).contiguous(), packed, weight, bias, 1)
+        y = torch.ops.mkl._mkl_linear(x.reshape(1, -1).contiguous(), _packed_single_row(weight),
+                                      weight, bias, 1)
         return y.reshape(*x.shape[:-1], -1)
+    if rows == 0 or rows > few_rows:
+        return F.linear(x, weight, bias)
     y = (weight @ x.reshape(rows, -1).T).T.contiguous()
     if bias is not None:
         y = y + bias
