@@ -65,6 +65,16 @@ def complete(base: str, prompt: str, max_tokens: int = 10, **extra):
                                      temperature=0, extra_body=extra or None).choices[0].text
 
 
+def new_block_tokens(prompts: list[list[int]], block_size: int = 16) -> int:
+    """Rows Redis is written for these prompts: each distinct chained block once (a prompt
+    sharing blocks with an earlier one writes only its own)."""
+    blocks = {}
+    for ids in prompts:
+        for start in range(0, len(ids), block_size):
+            blocks[tuple(ids[:start + block_size])] = min(block_size, len(ids) - start)
+    return sum(blocks.values())
+
+
 def no_leaks(ray, cluster, prefills):
     for free, total in ray.get(cluster.attention[0].blocks.remote()):
         assert free == total
@@ -90,8 +100,10 @@ def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_
         assert complete(base, q) == complete(plain, q)
         deadline = time.time() + 30      # inserts run after the prompt: wait for Redis
         while metric(scrape(base), "splitstack_prefix_cache_inserted_tokens_total",
-                     tier="redis") < sum(map(len, ids[:i + 1])) and time.time() < deadline:
+                     tier="redis") < new_block_tokens(ids[:i + 1]) and time.time() < deadline:
             time.sleep(0.2)
+    assert metric(scrape(base), "splitstack_prefix_cache_inserted_tokens_total",
+                  tier="redis") == new_block_tokens(ids)
     text = scrape(base)
     assert metric(text, "splitstack_prefix_cache_hit_tokens_total") == want_hits
     # cache-aware routing: every prompt went where its prefix already was (memory tier)
