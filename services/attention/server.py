@@ -11,6 +11,7 @@ import logging
 from concurrent import futures
 
 import grpc
+from prometheus_client import generate_latest
 
 from kernels.sampling import SamplingError, SamplingParams
 from services.attention.service import AttentionService
@@ -61,8 +62,9 @@ class AttentionServicer(pb_grpc.AttentionServicer):
     (exact, RidgeFill, prefix cache) before its request is submitted, else here."""
 
     def __init__(self, loop: StepLoop, name: str, transport: str,
-                 prefill: PrefillClient | None = None):
+                 prefill: PrefillClient | None = None, registry=None):
         self.loop, self.name, self.transport, self.prefill = loop, name, transport, prefill
+        self.registry = registry      # this process's own metrics (the in-process pool's)
 
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)
@@ -108,7 +110,9 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                  blocks_free=free, kv_usage=service.kv_usage,
                                  pool_retries=service.pool.retries, steps=self.loop.stats["steps"],
                                  wiring=service.wiring, transport=self.transport,
-                                 prefill_retries=self.prefill.retries if self.prefill else 0)
+                                 prefill_retries=self.prefill.retries if self.prefill else 0,
+                                 metrics=(generate_latest(self.registry).decode()
+                                          if self.registry is not None else ""))
 
     def Health(self, request, context):
         if not self.loop.thread.is_alive():
@@ -118,13 +122,15 @@ class AttentionServicer(pb_grpc.AttentionServicer):
 
 def serve_attention(service: AttentionService, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
-                    max_workers: int = 64, prefill: PrefillClient | None = None):
+                    max_workers: int = 64, prefill: PrefillClient | None = None,
+                    registry=None):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
-    Each in-flight request holds one handler thread, so `max_workers` caps concurrency."""
+    Each in-flight request holds one handler thread, so `max_workers` caps concurrency.
+    `registry`: metrics of this process that `Stats` exports (the in-process pool's)."""
     loop = StepLoop(service)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
-    pb_grpc.add_AttentionServicer_to_server(AttentionServicer(loop, name, transport, prefill),
-                                            server)
+    pb_grpc.add_AttentionServicer_to_server(
+        AttentionServicer(loop, name, transport, prefill, registry), server)
     port = server.add_insecure_port(address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop

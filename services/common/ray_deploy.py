@@ -200,9 +200,17 @@ class AttentionReplica:
             from models import load_model
 
             torch.set_num_threads(c.threads)
+            from prometheus_client import CollectorRegistry
+
+            from services.mlp_pool.metrics import MeteredPool, PoolMetrics
+
             model = load_model(c.model, dtype=getattr(torch, c.dtype), device=device)
-            replicas = [MLPPool(model, f"{name}-pool-{i}") for i in range(c.mlp_replicas)]
+            registry = CollectorRegistry()
+            metrics = PoolMetrics(registry)
+            replicas = [MeteredPool(MLPPool(model, f"{name}-pool-{i}"), metrics)
+                        for i in range(c.mlp_replicas)]
         else:
+            registry = None
             model = _load(c.model, c.dtype, "attention", c.threads, device)
             replicas = list(pool_addresses)
         cfg = model.config
@@ -229,7 +237,8 @@ class AttentionReplica:
             prefill = PrefillClient(prefill_addresses, cfg, model.dtype,
                                     cache_aware=c.prefill.prefix_cache_bytes is not None)
         self.server, bound, self.loop = serve_attention(
-            self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill)
+            self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
+            registry=registry)
         self.addr = _advertised(bound)
         self.name = name
 

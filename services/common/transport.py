@@ -52,7 +52,8 @@ class Transport(ABC):
             except Exception as exc:  # a dead or failing replica: try the next one
                 self.retries += 1
                 errors.append(f"{getattr(replica, 'name', replica)}: {exc}")
-                log.warning("pool call %s failed on %s, retrying", method, replica)
+                log.warning("pool call %s failed on %s (%s), retrying", method,
+                            getattr(replica, "name", replica), exc)
         raise PoolUnavailable("every MLP pool replica failed: " + "; ".join(errors))
 
     def submit(self, method: str, *args) -> Pending:

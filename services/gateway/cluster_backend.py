@@ -235,6 +235,13 @@ class ClusterBackend:
                                     ("pool_retries", st.pool_retries),
                                     ("prefill_retries", st.prefill_retries)):
                     self.gauges[name].labels(ep.address).set(value)
+        texts = {ep.address: st.metrics for st, ep in
+                 zip(stats, [e for e in self.endpoints if e.down_since is None])}
+        for ep in self.endpoints:           # an in-process pool's metrics (--transport local)
+            if texts.get(ep.address):
+                self.remote.latest[ep.address] = texts[ep.address]
+            else:
+                self.remote.latest.pop(ep.address, None)
         await self._refresh_peers()
         return stats
 

@@ -1,6 +1,8 @@
 """MLP pool metrics (prefix `splitstack_pool_`, seconds): stage latency and batch size."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -24,3 +26,34 @@ class PoolMetrics:
         self.failures = Counter("splitstack_pool_failed_forwards_total",
                                 "Batched forwards that raised (every caller of the batch "
                                 "retries elsewhere)", registry=r)
+
+
+class MeteredPool:
+    """An in-process pool (`--transport local`, the pool inside the attention actor) with
+    the same metrics a pool replica exports: each call is one forward of one call."""
+
+    def __init__(self, pool, metrics: PoolMetrics):
+        self.pool, self.metrics = pool, metrics
+        self.name = pool.name
+
+    @property
+    def calls(self) -> int:
+        return self.pool.calls
+
+    def _timed(self, kind: str, rows: int, fn, *args):
+        start = time.perf_counter()
+        try:
+            out = fn(*args)
+        except Exception:
+            self.metrics.failures.inc()
+            raise
+        self.metrics.stage_seconds.labels(kind).observe(time.perf_counter() - start)
+        self.metrics.batch_rows.observe(rows)
+        self.metrics.batch_calls.observe(1)
+        return out
+
+    def stage(self, layer, u, positions):
+        return self._timed("stage", u.shape[0], self.pool.stage, layer, u, positions)
+
+    def final(self, u, params, generators):
+        return self._timed("final", u.shape[0], self.pool.final, u, params, generators)

@@ -2,6 +2,8 @@
 each serving gRPC on loopback, driven over the `Attention` gRPC API."""
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
 import torch
@@ -57,6 +59,12 @@ def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ra
         with grpc.insecure_channel(cluster.attention_addresses[0]) as channel:
             stats = pb_grpc.AttentionStub(channel).Stats(pb.Empty())
         assert stats.blocks_free == stats.blocks_total and stats.transport == transport
+        if transport == "local":      # the in-process pool's own metrics ride on Stats
+            stages = re.search(r'^splitstack_pool_stage_seconds_count\{kind="stage"\} (\S+)$',
+                               stats.metrics, re.M)
+            assert stages and float(stages.group(1)) > 0
+        else:                         # the pool replicas export theirs themselves
+            assert stats.metrics == ""
     finally:
         cluster.shutdown()
 
