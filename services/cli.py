@@ -168,6 +168,9 @@ def cmd_derive(args: argparse.Namespace) -> int:
             opts["fa_phase"] = args.fa_phase
         if args.delta:
             opts["delta_path"] = args.delta
+        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr"):
+            if getattr(args, key) is not None:
+                opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,
                                              needle_frac=args.needle_frac, **opts)
         print(json.dumps(recipe, indent=2))
@@ -361,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hybrid: layers i with i %% 4 == phase keep attention (default 3)")
     der.add_argument("--delta", help="hybrid: where the delta goes (default: the zoo's, "
                                      "models/zoo/deltas/smollm2-hybrid.safetensors)")
+    der.add_argument("--init-delta", help="hybrid: continue from this stored delta (its "
+                     "layout; only the logit stage runs)")
+    der.add_argument("--needle-len", type=int, help="hybrid: tokens per retrieval item "
+                     "(default: --seq-len)")
+    der.add_argument("--answer-weight", type=float,
+                     help="hybrid: weight of the answer-token KL on retrieval items (default 1)")
+    der.add_argument("--kl-lr", type=float, help="hybrid: learning rate of the logit stage")
     der.add_argument("--threads", type=int, default=2)
     der.set_defaults(func=cmd_derive)
 

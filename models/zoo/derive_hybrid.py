@@ -98,6 +98,21 @@ def encode_delta(child: CausalLM) -> dict[str, torch.Tensor]:
     return delta
 
 
+def decode_delta(delta: dict[str, torch.Tensor]):
+    """-> (tensors stored whole, {module name: (lora_A, lora_B)}): the inverse of
+    `encode_delta`, with int8 rows dequantized."""
+    plain, lora = {}, {}
+    for key, value in delta.items():
+        if key.endswith(".lora_A"):
+            name = key[: -len(".lora_A")]
+            lora[name] = (value, delta[name + ".lora_B"])
+        elif key.endswith(".q8"):
+            plain[key[:-3]] = value.float() * delta[key[:-3] + ".scale"][:, None]
+        elif not key.endswith((".lora_B", ".scale")):
+            plain[key] = value.float()
+    return plain, lora
+
+
 def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
                  delta_path: str | Path | None = None) -> Path:
     """Rebuild the full smollm2-hybrid checkpoint from the parent and the stored delta."""
@@ -108,18 +123,13 @@ def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
     if recipe.get("layer_types", cfg_dict["layer_types"]) != cfg_dict["layer_types"]:
         raise ValueError(f"{delta_path}: recorded layer_types {recipe['layer_types']} do not "
                          f"match fa_phase {recipe.get('fa_phase', LEGACY_FA_PHASE)}")
-    delta = load_file(str(delta_path))
+    plain, lora = decode_delta(load_file(str(delta_path)))
     state = base_state(read_state_dict(parent_dir, torch.float32),
                        ModelConfig.from_hf(cfg_dict))
-    for key, value in delta.items():
-        if key.endswith(".lora_A"):
-            base = key[: -len(".lora_A")] + ".weight"
-            # fp64 product: the merged weights do not depend on the BLAS's thread count
-            state[base] = state[base] + (delta[key[:-1] + "B"].double() @ value.double()).float()
-        elif key.endswith(".q8"):
-            state[key[:-3]] = value.float() * delta[key[:-3] + ".scale"][:, None]
-        elif not key.endswith((".lora_B", ".scale")):
-            state[key] = value.float()
+    state.update(plain)
+    for name, (a, b) in lora.items():
+        # fp64 product: the merged weights do not depend on the BLAS's thread count
+        state[name + ".weight"] = state[name + ".weight"] + (b.double() @ a.double()).float()
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -170,8 +180,15 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                   steps: int = 120, seq_len: int = 512, rank: int = 48,
                   lr: float = 3e-3, kl_lr: float = 5e-4, seed: int = 0,
                   fa_phase: int = FA_PHASE, needle_frac: float = 0.0,
+                  needle_len: int | None = None, answer_weight: float = 1.0,
+                  init_delta: str | Path | None = None,
                   delta_path: str | Path = DELTA, log=print) -> dict:
-    """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint."""
+    """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
+
+    `init_delta`: continue from a stored delta instead (its layout; no calibration, no
+    layer-wise stage): only the logit stage runs, e.g. with retrieval items
+    (`needle_frac`, `needle_len` tokens each, answer-token KL weighted by `answer_weight`).
+    The recipe records the one it continued from."""
     import random
 
     from evals.corpus import documents, haystack_text
@@ -188,13 +205,30 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))
     batch = lambda i: windows[order[4 + i % (n_windows - 4)]][None]
     start = time.perf_counter()
+    parent_recipe = None
+    if init_delta is not None:
+        parent_recipe = delta_recipe(init_delta)
+        fa_phase = parent_recipe.get("fa_phase", LEGACY_FA_PHASE)
+        layerwise_steps = 0
     cfg_dict = hybrid_config(parent_dir, fa_phase)
     cfg = ModelConfig.from_hf(cfg_dict)
-    init = calibrate(parent, cfg, [windows[order[i]][None] for i in range(4)])
-    child = build_child(cfg_dict, {**base_state(read_state_dict(parent_dir, torch.float32), cfg),
-                                   **init})
+    base = base_state(read_state_dict(parent_dir, torch.float32), cfg)
+    if init_delta is None:
+        base.update(calibrate(parent, cfg, [windows[order[i]][None] for i in range(4)]))
+        lora = {}
+    else:
+        plain, lora = decode_delta(load_file(str(init_delta)))
+        base.update(plain)
+        rank = next(iter(lora.values()))[0].shape[0]
+    child = build_child(cfg_dict, base)
     params = attach_trainables(child, rank, seed)
-    log(f"[hybrid] calibrated; {sum(p.numel() for p in params) / 1e6:.1f} M trainable "
+    with torch.no_grad():
+        for name, module in child.named_modules():
+            if name in lora:
+                module.A.copy_(lora[name][0].float())
+                module.B.copy_(lora[name][1].float())
+    log(f"[hybrid] {'loaded ' + str(init_delta) if init_delta else 'calibrated'}; "
+        f"{sum(p.numel() for p in params) / 1e6:.1f} M trainable "
         f"({time.perf_counter() - start:.0f}s)")
     pos = torch.arange(seq_len)[None]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -218,28 +252,38 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
     rng = random.Random(seed)
     filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
-    kls = []
+    kls, answer_kl = [], []
     for step in range(steps):
         b, answer = batch(layerwise_steps + step), None
         if rng.random() < needle_frac:
-            b, answer = needle_batch(tok, filler, seq_len, rng)
+            b, answer = needle_batch(tok, filler, needle_len or seq_len, rng)
         with torch.no_grad():
             teacher = torch.log_softmax(train_logits(parent, b), -1)
         student = torch.log_softmax(train_logits(child, b), -1)
         kl = (teacher.exp() * (teacher - student)).sum(-1)[0]                   # [T]
-        loss = kl.mean() + (kl[answer].mean() if answer is not None else 0.0)
+        loss = kl.mean()
+        if answer is not None:
+            loss = loss + answer_weight * kl[answer].mean()
+            answer_kl.append(kl[answer].mean().item())
         opt.zero_grad()
         loss.backward()
         _schedule(opt, kl_lr, step, steps, warmup=5)
         opt.step()
         kls.append(loss.item())
         if step % 5 == 0 or step == steps - 1:
-            log(f"[hybrid] KL {step}: {loss.item():.4f} ({time.perf_counter() - start:.0f}s)")
+            recent = answer_kl[-5:]
+            log(f"[hybrid] KL {step}: {loss.item():.4f}"
+                + (f", answer KL (last 5 items) {sum(recent) / len(recent):.3f}" if recent else "")
+                + f" ({time.perf_counter() - start:.0f}s)")
     seconds = round(time.perf_counter() - start)
     recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
               "fa_phase": fa_phase, "layer_types": cfg_dict["layer_types"],
               "layerwise_steps": layerwise_steps, "steps": steps, "seq_len": seq_len,
               "rank": rank, "lr": lr, "kl_lr": kl_lr, "seed": seed, "needle_frac": needle_frac,
+              "needle_len": needle_len or seq_len, "answer_weight": answer_weight,
+              "continued_from": parent_recipe,
+              "answer_kl_last10": (sum(answer_kl[-10:]) / len(answer_kl[-10:])
+                                   if answer_kl else None),
               "data": "python-stdlib-docstrings (calib split)",
               "layerwise_first": layer_err[0] if layer_err else None,
               "layerwise_last10": sum(layer_err[-10:]) / max(1, len(layer_err[-10:])),

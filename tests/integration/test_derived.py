@@ -90,3 +90,35 @@ def test_lora_merge_equals_factored_forward():
         lora.B.normal_()
     x = torch.randn(3, 8)
     assert torch.allclose(lora(x), x @ lora.merged().T, atol=1e-6)
+
+
+def test_hybrid_delta_decodes_to_what_was_encoded(tiny_checkpoint):
+    """`decode_delta` inverts `encode_delta` (LoRA factors, int8 rows, whole tensors): what
+    `derive hybrid --init-delta` continues from is the stored checkpoint."""
+    from models import load_model
+    from models.zoo.derive_hybrid import attach_trainables, decode_delta, encode_delta
+
+    path, _ = tiny_checkpoint("qwen3_5")
+    child = load_model(path)
+    params = attach_trainables(child, rank=4, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.01 * torch.randn(p.shape, generator=gen))
+    delta = encode_delta(child)
+    plain, lora = decode_delta(delta)
+    assert lora and plain
+    for name, module in child.named_modules():
+        if isinstance(module, LoraLinear):
+            a, b = lora[name]
+            assert torch.equal(a, module.A.detach().half()) and torch.equal(b, module.B.detach().half())
+    for name, p in child.named_parameters():
+        if not p.requires_grad or name.endswith((".A", ".B")):
+            continue
+        if name.endswith("in_proj_z.weight"):        # int8 with per-row scales
+            step = p.detach().abs().amax(1, keepdim=True) / 127
+            assert ((plain[name] - p.detach()).abs() <= step / 2 + 1e-7).all()
+        elif name.endswith(("q_proj.weight", "k_proj.weight")):
+            assert torch.equal(plain[name], p.detach().half().float())
+        else:
+            assert torch.equal(plain[name], p.detach())

@@ -55,3 +55,10 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
                  str(tmp_path / "m"), "--steps", "3"]) in (0, None)
     assert seen["fa_phase"] == 2 and seen["needle_frac"] == 0.5 and seen["steps"] == 3
     assert seen["delta_path"] == str(tmp_path / "d.safetensors")
+    assert not {"init_delta", "needle_len", "answer_weight", "kl_lr"} & set(seen)  # defaults
+    seen.clear()
+    assert main(["derive", "hybrid", "--init-delta", "old.safetensors", "--needle-len", "1024",
+                 "--answer-weight", "2", "--kl-lr", "3e-4", "--threads", "1",
+                 "--out", str(tmp_path / "m")]) in (0, None)
+    assert (seen["init_delta"], seen["needle_len"], seen["answer_weight"], seen["kl_lr"]) == (
+        "old.safetensors", 1024, 2.0, 3e-4)
