@@ -175,7 +175,7 @@ def cmd_derive(args: argparse.Namespace) -> int:
                                              needle_frac=args.needle_frac, **opts)
         print(json.dumps(recipe, indent=2))
     elif args.what == "apply-hybrid":
-        print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out)}")
+        print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
     else:
         print(f"rebuilt {derive.apply_qknorm(args.parent, out)}")
     return 0
@@ -362,7 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share of distillation batches that are retrieval items")
     der.add_argument("--fa-phase", type=int, choices=range(4), default=None,
                      help="hybrid: layers i with i %% 4 == phase keep attention (default 3)")
-    der.add_argument("--delta", help="hybrid: where the delta goes (default: the zoo's, "
+    der.add_argument("--delta", help="hybrid: where the delta goes, or (apply-hybrid) the "
+                                     "one to rebuild from (default: the zoo's, "
                                      "models/zoo/deltas/smollm2-hybrid.safetensors)")
     der.add_argument("--init-delta", help="hybrid: continue from this stored delta (its "
                      "layout; only the logit stage runs)")

@@ -62,3 +62,17 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
                  "--out", str(tmp_path / "m")]) in (0, None)
     assert (seen["init_delta"], seen["needle_len"], seen["answer_weight"], seen["kl_lr"]) == (
         "old.safetensors", 1024, 2.0, 3e-4)
+
+
+def test_apply_hybrid_rebuilds_from_the_given_delta(monkeypatch, tmp_path):
+    """`derive apply-hybrid --delta D` rebuilds from D (an older delta from git history,
+    say), not from the zoo's."""
+    from models.zoo import derive_hybrid
+    from services.cli import main
+
+    seen = []
+    monkeypatch.setattr(derive_hybrid, "apply_hybrid",
+                        lambda parent, out, delta=None: seen.append((out, delta)) or out)
+    assert main(["derive", "apply-hybrid", "--delta", "old.safetensors", "--threads", "1",
+                 "--out", str(tmp_path / "m")]) in (0, None)
+    assert seen == [(str(tmp_path / "m"), "old.safetensors")]
