@@ -217,29 +217,29 @@ class ClusterBackend:
 
     async def refresh(self) -> list[pb.AttentionStats]:
         """Poll every live service's stats; the gateway's KV gauge is the fullest one."""
-        stats = []
+        polled: dict[str, pb.AttentionStats] = {}
         for ep in await self._live():
             ep.connect()
             try:
-                stats.append(await ep.stub.Stats(pb.Empty(), timeout=2.0))
+                polled[ep.address] = await ep.stub.Stats(pb.Empty(), timeout=2.0)
             except grpc.aio.AioRpcError as err:
                 self._mark_down(ep, err)
+        stats = list(polled.values())
         self._usage = max((s.kv_usage for s in stats), default=0.0)
         if self.gauges is not None:
             for ep in self.endpoints:
                 self.gauges["up"].labels(ep.address).set(ep.down_since is None)
-            for st, ep in zip(stats, [e for e in self.endpoints if e.down_since is None]):
+            for address, st in polled.items():
                 for name, value in (("kv_cache_usage_ratio", st.kv_usage),
                                     ("requests_running", st.running),
                                     ("requests_waiting", st.waiting),
                                     ("pool_retries", st.pool_retries),
                                     ("prefill_retries", st.prefill_retries)):
-                    self.gauges[name].labels(ep.address).set(value)
-        texts = {ep.address: st.metrics for st, ep in
-                 zip(stats, [e for e in self.endpoints if e.down_since is None])}
+                    self.gauges[name].labels(address).set(value)
         for ep in self.endpoints:           # an in-process pool's metrics (--transport local)
-            if texts.get(ep.address):
-                self.remote.latest[ep.address] = texts[ep.address]
+            st = polled.get(ep.address)
+            if st is not None and st.metrics:
+                self.remote.latest[ep.address] = st.metrics
             else:
                 self.remote.latest.pop(ep.address, None)
         await self._refresh_peers()

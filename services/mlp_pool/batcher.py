@@ -101,9 +101,7 @@ class BatchingPool:
             tokens, logprobs, logits = self.pool.final(u, params, gens)
             parts = list(zip(tokens.split(sizes), logprobs.split(sizes), logits.split(sizes)))
         if self.metrics is not None:
-            self.metrics.stage_seconds.labels(key[0]).observe(time.perf_counter() - start)
-            self.metrics.batch_rows.observe(u.shape[0])
-            self.metrics.batch_calls.observe(len(calls))
+            self.metrics.observe(key[0], time.perf_counter() - start, u.shape[0], len(calls))
         for (_, fut), part in zip(calls, parts):
             fut.set_result(part)
 

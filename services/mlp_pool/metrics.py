@@ -27,6 +27,12 @@ class PoolMetrics:
                                 "Batched forwards that raised (every caller of the batch "
                                 "retries elsewhere)", registry=r)
 
+    def observe(self, kind: str, seconds: float, rows: int, calls: int) -> None:
+        """One forward: `kind` stage or final, its rows, and the calls merged into it."""
+        self.stage_seconds.labels(kind).observe(seconds)
+        self.batch_rows.observe(rows)
+        self.batch_calls.observe(calls)
+
 
 class MeteredPool:
     """An in-process pool (`--transport local`, the pool inside the attention actor) with
@@ -47,9 +53,7 @@ class MeteredPool:
         except Exception:
             self.metrics.failures.inc()
             raise
-        self.metrics.stage_seconds.labels(kind).observe(time.perf_counter() - start)
-        self.metrics.batch_rows.observe(rows)
-        self.metrics.batch_calls.observe(1)
+        self.metrics.observe(kind, time.perf_counter() - start, rows, 1)
         return out
 
     def stage(self, layer, u, positions):

@@ -21,7 +21,8 @@ from services.common.nccl_transport import NcclPoolStream, NcclTransport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
-from tests.integration.test_qfirst_grpc import PARAMS, prompts
+from tests.integration.test_qfirst_grpc import (PARAMS, generate_stopping_after_prefill,
+                                                prompts)
 
 
 class LoopbackLink:
@@ -157,11 +158,5 @@ def test_nccl_protocol_dead_replica_is_retried(tiny_checkpoint, nccl_pools):
     ref = [r.output_ids for r in LLMEngine(model).generate(prompts(), PARAMS)]
     pairs = nccl_pools(model, 2)
     service, _ = service_over(model, [st for _, st in pairs])
-    for p in prompts():
-        service.add_request(p, PARAMS)
-    service.step()                                  # prefill goes through both replicas
-    pairs[0][0].stop(0)                             # replica 0 dies mid-generation
-    while service.running():
-        service.step()
-    got = [service.requests[i].output_ids for i in sorted(service.requests)]
+    got = generate_stopping_after_prefill(service, lambda: pairs[0][0].stop(0))
     assert got == ref and service.pool.retries > 0

@@ -27,6 +27,18 @@ def service_over_grpc(model, servers, num_shards=2):
     return AttentionService(model, shards, make_transport("grpc", [a for _, a in servers])), shards
 
 
+def generate_stopping_after_prefill(service, stop) -> list[list[int]]:
+    """Greedy decode of `prompts()`, calling `stop()` (a replica dies) once the prefill
+    step, which goes through every replica, has run."""
+    for p in prompts():
+        service.add_request(p, PARAMS)
+    service.step()
+    stop()
+    while service.running():
+        service.step()
+    return [service.requests[i].output_ids for i in sorted(service.requests)]
+
+
 @pytest.fixture
 def pool_servers(request):
     started = []
@@ -62,13 +74,7 @@ def test_killed_pool_replica_is_retried(tiny_checkpoint, pool_servers):
     ref = [r.output_ids for r in LLMEngine(model).generate(prompts(), PARAMS)]
     servers = pool_servers(model, 2)
     service, _ = service_over_grpc(model, servers)
-    for p in prompts():
-        service.add_request(p, PARAMS)
-    service.step()                                  # prefill goes through both replicas
-    servers[0][0].stop(0)                           # replica 0 dies mid-generation
-    while service.running():
-        service.step()
-    got = [service.requests[i].output_ids for i in sorted(service.requests)]
+    got = generate_stopping_after_prefill(service, lambda: servers[0][0].stop(0))
     assert got == ref and service.pool.retries > 0
 
 
