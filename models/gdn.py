@@ -90,13 +90,13 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(bsz, t, self.hv, self.dv)
         beta = torch.sigmoid(inp.b)                                       # model dtype, as HF
         g = self.log_decay(inp.a)
-        r = self.hv // self.hk
-        if r > 1:
-            q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-        if chunked and t > 1:
+        if chunked and t > 1:       # repeats the key heads itself, a block at a time
             o, recurrent_state = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state,
                                                         out_rows=out_rows)
         else:
+            r = self.hv // self.hk
+            if r > 1:
+                q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
             o, recurrent_state = recurrent_gated_delta_rule(q, k, v, g, beta, recurrent_state)
         return o.to(inp.mixed.dtype), conv_state, recurrent_state
 

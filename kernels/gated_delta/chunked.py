@@ -10,63 +10,97 @@ Per chunk of C tokens with γ = cumsum(g) inside the chunk (all fp32):
     S   ← e^{γ_C} S + (K ⊙ e^{γ_C − γ})ᵀ Vn
 
 Padding the last chunk with k = v = beta = g = 0 changes neither O nor S.
+
+The chunk-parallel part (Γ, A, the triangular solve, Q Kᵀ) runs a block of chunks at a
+time, laid out chunk-major [chunks, B·H, C, *], so a block's intermediates stay in cache and
+each step of the sequential state loop reads contiguous operands. On this CPU that is 2.2×
+(all outputs) to 2.4× (state only) faster at 16K tokens than materialising every chunk's
+C×C matrices for the whole sequence, and memory no longer grows with T·C.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta.naive import prepare
+from kernels.gated_delta.naive import l2norm
+
+BLOCK_CHUNKS = 8     # chunks per block: 1 thread is fastest at 4, 2 threads at 16 (16K tokens)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
                            use_qk_l2norm: bool = True, chunk_size: int = 64,
-                           out_rows: torch.Tensor | None = None):
-    """Same contract as `recurrent_gated_delta_rule`. `out_rows` [T] bool: the rows whose
-    output is wanted (None: all); chunks holding none of them only advance the state and
-    their output rows are left zero (RidgeFill's filled rows need the state, not O)."""
-    q, k, v, g, beta = prepare(q, k, v, g, beta, scale, use_qk_l2norm)
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
+                           out_rows: torch.Tensor | None = None,
+                           block_chunks: int = BLOCK_CHUNKS):
+    """Same contract as `recurrent_gated_delta_rule`, except that q and k may also come with
+    fewer heads than v (grouped: [B, T, HK, Dk], HK dividing HV; each key head serves HV/HK
+    consecutive value heads), repeated here a block at a time. `out_rows` [T] bool: the rows
+    whose output is wanted (None: all); chunks holding none of them only advance the state
+    and their output rows are left zero (RidgeFill's filled rows need the state, not O)."""
+    acc = torch.promote_types(q.dtype, torch.float32)          # fp32, or fp64 for fp64 inputs
+    b, t, h, dv = v.shape
+    dk = k.shape[-1]
+    r = h // k.shape[2]
     c = chunk_size
-    pad = (-t) % c
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    n = (t + pad) // c
-    # [B, H, N, C, *]
-    q, k, v = (x.view(b, n, c, h, -1).permute(0, 3, 1, 2, 4) for x in (q, k, v))
-    g, beta = (x.view(b, n, c, h).permute(0, 3, 1, 2) for x in (g, beta))
-    # γ grows to hundreds in strongly decaying heads; in fp32 the differences γ_i − γ_j would
-    # lose their low digits to cancellation, so the cumsum and its differences run in fp64.
-    gamma = g.double().cumsum(-1)
-    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf"))
-    decay = decay.exp().to(q.dtype)
-    kb = k * beta[..., None]
-    a = (kb @ k.transpose(-1, -2)) * decay
-    a = a.tril(-1)                                                      # strict lower part
-    eye = torch.eye(c, dtype=q.dtype, device=q.device)
-    tinv_rhs = torch.cat([v * beta[..., None], kb * gamma.exp().to(q.dtype)[..., None]], dim=-1)
-    uw = torch.linalg.solve_triangular(eye + a, tinv_rhs, upper=False, unitriangular=True)
-    u, w = uw[..., :dv], uw[..., dv:]
-    # output terms only for the chunks whose output is wanted (slot[i]: chunk i's row in qk)
-    wanted = (torch.arange(n, device=q.device) if out_rows is None else
-              F.pad(out_rows, (0, pad)).view(n, c).any(-1).nonzero()[:, 0])
-    slot = dict(zip(wanted.tolist(), range(wanted.numel())))
-    want = None if out_rows is None else [i in slot for i in range(n)]
-    sel = (lambda x: x) if out_rows is None else (lambda x: x[:, :, wanted])  # noqa: E731
-    qk = (sel(q) @ sel(k).transpose(-1, -2)) * sel(decay)
-    q_decay = sel(q) * sel(gamma).exp().to(q.dtype)[..., None]
-    k_decay = k * (gamma[..., -1:] - gamma).exp().to(q.dtype)[..., None]
-    s = (q.new_zeros(b, h, dk, dv) if initial_state is None
-         else initial_state.to(q.dtype).clone())
-    out = q.new_empty(b, h, n, c, dv) if want is None else q.new_zeros(b, h, n, c, dv)
-    for i in range(n):
-        vn = u[:, :, i] - w[:, :, i] @ s
-        if want is None or want[i]:
-            j = slot[i]
-            out[:, :, i] = q_decay[:, :, j] @ s + qk[:, :, j] @ vn
-        s = s * gamma[:, :, i, -1].exp().to(q.dtype)[..., None, None] + k_decay[:, :, i].transpose(-1, -2) @ vn
-    out = out.permute(0, 2, 3, 1, 4).reshape(b, n * c, h, dv)[:, :t]
-    return out, s
+    scale = dk ** -0.5 if scale is None else scale
+    n = -(-t // c)
+    want = (torch.ones(n, dtype=torch.bool) if out_rows is None else
+            F.pad(out_rows.cpu(), (0, n * c - t)).view(n, c).any(-1)).tolist()
+    lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+    s = (k.new_zeros(b * h, dk, dv, dtype=acc) if initial_state is None
+         else initial_state.to(acc).reshape(b * h, dk, dv).clone())
+    out = (k.new_empty(b, t, h, dv, dtype=acc) if out_rows is None
+           else k.new_zeros(b, t, h, dv, dtype=acc))
+
+    def chunks(x, r0, r1, m, rep=1):
+        """Rows [r0, r1) of x [B, T, H / rep, *] -> [m, B·H, C, *] in fp32, zero padded."""
+        x = x[:, r0:r1].to(acc)
+        if rep > 1:
+            x = x.repeat_interleave(rep, dim=2)
+        if r1 - r0 < m * c:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, m * c - (r1 - r0)))
+        return x.reshape(b, m, c, h, -1).permute(1, 0, 3, 2, 4).reshape(m, b * h, c, -1)
+
+    for c0 in range(0, n, block_chunks):
+        m = min(block_chunks, n - c0)
+        r0, r1 = c0 * c, min(t, (c0 + m) * c)
+        kk = chunks(k, r0, r1, m, r)
+        if use_qk_l2norm:
+            kk = l2norm(kk)
+        bb = chunks(beta[..., None], r0, r1, m)                                  # [m, BH, C, 1]
+        # γ grows to hundreds in strongly decaying heads; in fp32 the differences γ_i − γ_j
+        # would lose their low digits to cancellation, so the cumsum and its differences
+        # run in fp64 (the differences are then exact enough in fp32 for exp)
+        gamma = chunks(g[..., None], r0, r1, m)[..., 0].double().cumsum(-1)      # [m, BH, C]
+        decay = (gamma[..., :, None] - gamma[..., None, :]).to(acc).exp_().masked_fill_(~lower, 0)
+        eg = gamma.exp().to(acc)[..., None]
+        kb = kk * bb
+        a = (kb @ kk.transpose(-1, -2)).mul_(decay).tril_(-1)                  # strict lower
+        rhs = torch.cat([chunks(v, r0, r1, m).mul_(bb), kb.mul_(eg)], dim=-1)
+        uw = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
+        u, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()
+        wb = [i for i in range(m) if want[c0 + i]]       # chunks of this block with outputs
+        if wb:
+            qq = chunks(q, r0, r1, m, r)[wb]
+            if use_qk_l2norm:
+                qq = l2norm(qq)
+            qk = (qq @ kk[wb].transpose(-1, -2)).mul_(decay[wb]).mul_(scale)
+            q_decay = qq.mul_(eg[wb]).mul_(scale)
+            ob = k.new_empty(len(wb), b * h, c, dv, dtype=acc)
+        k_decay_t = kk.mul_((gamma[..., -1:] - gamma).exp().to(acc)[..., None]) \
+            .transpose(-1, -2).contiguous()                                    # [m, BH, Dk, C]
+        step = gamma[..., -1].exp().to(acc)[..., None, None]                   # e^{γ_C}
+        j = 0
+        for i in range(m):
+            vn = torch.baddbmm(u[i], w[i], s, alpha=-1)
+            if want[c0 + i]:
+                torch.baddbmm(torch.bmm(q_decay[j], s), qk[j], vn, out=ob[j])
+                j += 1
+            s = torch.baddbmm(s.mul_(step[i]), k_decay_t[i], vn)
+        if len(wb) == m:
+            out[:, r0:r1] = ob.view(m, b, h, c, dv).permute(1, 0, 3, 2, 4) \
+                .reshape(b, m * c, h, dv)[:, :r1 - r0]
+        else:
+            for j, i in enumerate(wb):
+                a0, a1 = r0 + i * c, min(t, r0 + (i + 1) * c)
+                out[:, a0:a1] = ob[j].view(b, h, c, dv)[:, :, :a1 - a0].transpose(1, 2)
+    return out, s.view(b, h, dk, dv)

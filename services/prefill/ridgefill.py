@@ -304,18 +304,22 @@ class RidgeFill:
         use_filled = bool(filled.numel()) and s.fill != "none"
         rows = torch.cat([exact, filled]) if use_filled else exact
         order = torch.argsort(rows)
+        ne = exact.numel()
+        dest = torch.empty_like(order)           # sorted position of exact rows, then filled
+        dest[order] = torch.arange(order.numel(), device=order.device)
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
             inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f), with_z=False)
-            dest = torch.empty_like(order)       # sorted position of exact rows, then filled
-            dest[order] = torch.arange(order.numel(), device=order.device)
-            ne = exact.numel()
-
-            def interleave(te, tf):
-                out = te.new_empty((order.numel(), *te.shape[1:]))
-                out[dest[:ne]] = te
-                out[dest[ne:]] = tf
-                return out
+            if bool((exact[0] > filled[-1]).item()) and bool((exact.diff() > 0).all().item()):
+                # no rows selected (or only the prefix's last ones): filled rows, then exact
+                def interleave(te, tf):
+                    return torch.cat([tf, te])
+            else:
+                def interleave(te, tf):
+                    out = te.new_empty((order.numel(), *te.shape[1:]))
+                    out[dest[:ne]] = te
+                    out[dest[ne:]] = tf
+                    return out
             seq = GDNInputs(interleave(inp_e.mixed, inp_f.mixed), None,
                             interleave(inp_e.b, inp_f.b), interleave(inp_e.a, inp_f.a))
         else:
@@ -337,10 +341,8 @@ class RidgeFill:
         if use_filled:      # filled rows only advance the state: skip their outputs
             out_rows = order < exact.numel()
         o = self._gdn_sequence(l, seq, res, split_at if record else None, correction, out_rows)
-        # outputs back in the exact rows' order
-        o_rows = torch.empty_like(o)
-        o_rows[order] = o
-        return m.gdn_output(l, xe, o_rows[:exact.numel()], inp_e.z)
+        # the exact rows' outputs, in their order
+        return m.gdn_output(l, xe, o[dest[:ne]], inp_e.z)
 
     def _norm_scales(self, s, l, x_split, k_exact_rows, v_exact_rows, exact, rows):
         """Per KV head: mean over `rows` (the first c tail rows) of ‖k_exact‖ / ‖k(x̂)‖ and

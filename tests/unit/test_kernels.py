@@ -143,6 +143,34 @@ def test_chunked_delta_rule_matches_recurrent(t):
     assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("t,blocks", [(300, 1), (300, 2), (1100, None)])
+def test_chunked_delta_rule_across_blocks(t, blocks):
+    """The chunk-parallel part runs a block of chunks at a time: block edges (and a last
+    block shorter than the rest) change nothing, with and without skipped outputs."""
+    q, k, v, g, beta = gdn_inputs(t, seed=t)
+    s0 = torch.randn(2, 4, 16, 24) * 0.3
+    kw = {} if blocks is None else {"block_chunks": blocks}
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0, **kw)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+    want = torch.zeros(t, dtype=torch.bool)
+    want[[3, t // 2]] = True
+    o2, s2 = chunk_gated_delta_rule(q, k, v, g, beta, s0, out_rows=want, **kw)
+    assert torch.equal(s2, s)
+    assert rel(o2[:, want], o_ref[:, want]) < 1e-5
+
+
+def test_chunked_delta_rule_grouped_key_heads():
+    """q, k with fewer heads than v: each key head serves HV/HK consecutive value heads,
+    as if repeated with `repeat_interleave` before the call."""
+    q, k, v, g, beta = gdn_inputs(200, h=4)
+    qg, kg = q[:, :, ::2].contiguous(), k[:, :, ::2].contiguous()       # 2 key heads
+    o_ref, s_ref = recurrent_gated_delta_rule(qg.repeat_interleave(2, dim=2),
+                                              kg.repeat_interleave(2, dim=2), v, g, beta)
+    o, s = chunk_gated_delta_rule(qg, kg, v, g, beta)
+    assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
+
+
 def test_delta_rule_state_carries_across_calls():
     q, k, v, g, beta = gdn_inputs(150)
     o_all, s_all = chunk_gated_delta_rule(q, k, v, g, beta)
