@@ -310,18 +310,9 @@ class RidgeFill:
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
             inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f), with_z=False)
-            if bool((exact[0] > filled[-1]).item()) and bool((exact.diff() > 0).all().item()):
-                # no rows selected (or only the prefix's last ones): filled rows, then exact
-                def interleave(te, tf):
-                    return torch.cat([tf, te])
-            else:
-                def interleave(te, tf):
-                    out = te.new_empty((order.numel(), *te.shape[1:]))
-                    out[dest[:ne]] = te
-                    out[dest[ne:]] = tf
-                    return out
-            seq = GDNInputs(interleave(inp_e.mixed, inp_f.mixed), None,
-                            interleave(inp_e.b, inp_f.b), interleave(inp_e.a, inp_f.a))
+            seq = GDNInputs(*(None if te is None else _interleave(te, tf, exact, filled, dest)
+                              for te, tf in zip((inp_e.mixed, None, inp_e.b, inp_e.a),
+                                                (inp_f.mixed, None, inp_f.b, inp_f.a))))
         else:
             seq = GDNInputs(inp_e.mixed[order], None, inp_e.b[order], inp_e.a[order])
         sorted_rows = rows[order]
@@ -434,6 +425,18 @@ class _Scorer:
         rows = self.rows.to(q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
         self.scores = self.scores.to(q.device) + _attention_received(q[rows], k, mask)
+
+
+def _interleave(te: torch.Tensor, tf: torch.Tensor, exact: torch.Tensor, filled: torch.Tensor,
+                dest: torch.Tensor) -> torch.Tensor:
+    """Rows of the exact (`te`) and filled (`tf`) sets in sequence order; `dest` holds the
+    sorted position of each row of cat([exact, filled])."""
+    if bool((exact[0] > filled[-1]).item()) and bool((exact.diff() > 0).all().item()):
+        return torch.cat([tf, te])       # no prefix row selected: the filled rows, then exact
+    out = te.new_empty((te.shape[0] + tf.shape[0], *te.shape[1:]))
+    out[dest[:exact.numel()]] = te
+    out[dest[exact.numel():]] = tf
+    return out
 
 
 def _attention_received(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

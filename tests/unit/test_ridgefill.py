@@ -321,3 +321,20 @@ def test_rescale_multiplies_filled_rows_by_one_factor_per_kv_head(four_layer):
     assert torch.equal(only_v.k[2], base.k[2])
     with pytest.raises(FillError, match="key_rescale"):
         FillSettings(split=1, tail=20, key_rescale=True).validate(4)
+
+
+@pytest.mark.parametrize("selected", [[], [3, 7], [10, 11], [11]])
+def test_gdn_rows_interleave_in_sequence_order(selected):
+    """The sequence a GDN layer sweeps holds exact and filled rows in position order, both
+    when the exact rows are only the tail (concatenation) and when selected prefix rows sit
+    among the filled ones (scatter)."""
+    from services.prefill.ridgefill import _interleave
+    n, p = 16, 12
+    exact = torch.tensor(selected + list(range(p, n)))
+    filled = torch.tensor([i for i in range(p) if i not in selected])
+    order = torch.argsort(torch.cat([exact, filled]))
+    dest = torch.empty_like(order)
+    dest[order] = torch.arange(n)
+    rows = torch.arange(n, dtype=torch.float32)[:, None] * torch.ones(1, 3)
+    out = _interleave(rows[exact], rows[filled], exact, filled, dest)
+    assert torch.equal(out, rows)
