@@ -52,7 +52,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
            else k.new_zeros(b, t, h, dv, dtype=acc))
 
     def chunks(x, r0, r1, m, rep=1):
-        """Rows [r0, r1) of x [B, T, H / rep, *] -> [m, B·H, C, *] in fp32, zero padded."""
+        """Rows [r0, r1) of x [B, T, H / rep, *] -> [m, B·H, C, *] in fp32, zero padded
+        (may be a view of x: never written in place)."""
         x = x[:, r0:r1].to(acc)
         if rep > 1:
             x = x.repeat_interleave(rep, dim=2)
@@ -75,7 +76,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         eg = gamma.exp().to(acc)[..., None]
         kb = kk * bb
         a = (kb @ kk.transpose(-1, -2)).mul_(decay).tril_(-1)                  # strict lower
-        rhs = torch.cat([chunks(v, r0, r1, m).mul_(bb), kb.mul_(eg)], dim=-1)
+        rhs = torch.cat([chunks(v, r0, r1, m) * bb, kb.mul_(eg)], dim=-1)
         uw = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
         u, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()
         wb = [i for i in range(m) if want[c0 + i]]       # chunks of this block with outputs
@@ -86,7 +87,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
             qk = (qq @ kk[wb].transpose(-1, -2)).mul_(decay[wb]).mul_(scale)
             q_decay = qq.mul_(eg[wb]).mul_(scale)
             ob = k.new_empty(len(wb), b * h, c, dv, dtype=acc)
-        k_decay_t = kk.mul_((gamma[..., -1:] - gamma).exp().to(acc)[..., None]) \
+        k_decay_t = (kk * (gamma[..., -1:] - gamma).exp().to(acc)[..., None]) \
             .transpose(-1, -2).contiguous()                                    # [m, BH, Dk, C]
         step = gamma[..., -1].exp().to(acc)[..., None, None]                   # e^{γ_C}
         j = 0

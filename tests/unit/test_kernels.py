@@ -171,6 +171,15 @@ def test_chunked_delta_rule_grouped_key_heads():
     assert rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("l2", [True, False])
+def test_chunked_delta_rule_leaves_its_inputs_alone(l2):
+    """One head, one batch row: the chunk-major views can alias the inputs."""
+    q, k, v, g, beta = gdn_inputs(64, b=1, h=1)
+    before = [x.clone() for x in (q, k, v, g, beta)]
+    chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=l2)
+    assert all(torch.equal(x, y) for x, y in zip((q, k, v, g, beta), before))
+
+
 def test_delta_rule_state_carries_across_calls():
     q, k, v, g, beta = gdn_inputs(150)
     o_all, s_all = chunk_gated_delta_rule(q, k, v, g, beta)
