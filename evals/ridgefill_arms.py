@@ -6,6 +6,7 @@
     {identity,ridgefill}+{attention,question-blind,protected,probe,random}   exact rows
     ridgefill+rescale       value rescale from the first 64 tail rows
     ridgefill+rescale-kv    key and value magnitude rescale from the same rows
+    ridgefill+rescale-k     key magnitude rescale only (the paper's Llama correction)
     ridgefill+terminal      terminal-state correction (hybrids)
     ridgefill+splice-{k,v,kv}   exact keys / values / both swapped into filled rows
     nofill+longtail         no fill, the tail lengthened to the fill's cost
@@ -127,6 +128,7 @@ for _sel in ("attention", "question-blind", "protected", "probe", "random"):
     _register(f"identity+{_sel}", fill="identity", selector=_sel)
 _register("ridgefill+rescale", fill="ridge", value_rescale=64)
 _register("ridgefill+rescale-kv", fill="ridge", value_rescale=64, key_rescale=True)
+_register("ridgefill+rescale-k", fill="ridge", key_rescale=64)
 _register("ridgefill+terminal", fill="ridge", terminal_correction=True)
 for _sp in ("k", "v", "kv"):
     _register(f"ridgefill+splice-{_sp}", fill="ridge", splice=_sp)

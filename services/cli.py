@@ -209,7 +209,7 @@ def _engine_options(args: argparse.Namespace):
     prefill = PrefillConfig(mode=args.prefill_mode, maps_dir=args.maps,
                             resident=not args.maps_streamed, split=args.split, tail=args.tail,
                             selector=args.selector, budget=args.budget,
-                            value_rescale=args.value_rescale,
+                            value_rescale=args.value_rescale, key_rescale=args.key_rescale,
                             terminal_correction=args.terminal_correction)
     if not args.prefix_cache and (args.redis_url or args.reuse_filled):
         raise ValueError("--redis-url and --reuse-filled need --prefix-cache")
@@ -438,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "random"])
     rf.add_argument("--budget", type=float, default=0.1, help="selector's share of prefix rows")
     rf.add_argument("--value-rescale", type=int, default=0, help="c tail rows (0: off)")
+    rf.add_argument("--key-rescale", type=int, default=0,
+                    help="c tail rows measuring a key magnitude scale (0: off)")
     rf.add_argument("--terminal-correction", action="store_true")
     pc = srv.add_argument_group("prefix cache (Tail-Replay; requests may override: "
                                 "replay_ratio)")

@@ -40,7 +40,8 @@ class _Common(BaseModel):
     logprobs: bool | int | None = None
     ignore_eos: bool = False
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
-    # ({split, tail, fill, selector, budget, value_rescale, terminal_correction, seed})
+    # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
+    #   seed, sink_rows})
     prefill_mode: str | None = None
     ridgefill: dict | None = None
     # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states

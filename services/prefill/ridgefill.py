@@ -44,7 +44,8 @@ class FillSettings:
     selector: str = "none"
     budget: float = 0.1          # share of prefix rows the selector computes exactly
     value_rescale: int = 0       # c: tail rows measuring the per-KV-head value scale (0: off)
-    key_rescale: bool = False    # also rescale filled keys' magnitude from the same c rows
+    key_rescale: int | bool = 0  # c: tail rows measuring a per-KV-head key scale (0: off);
+                                 # True: the value_rescale rows (keys and values both)
     terminal_correction: bool = False
     seed: int = 0                # the random selector's seed
     splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
@@ -67,14 +68,23 @@ class FillSettings:
                             f"got {self.budget!r}")
         if not isinstance(self.value_rescale, int) or self.value_rescale < 0:
             raise FillError(f"value_rescale must be an integer ≥ 0, got {self.value_rescale!r}")
-        if self.key_rescale and not self.value_rescale:
-            raise FillError("key_rescale uses the value_rescale rows: set value_rescale = c > 0")
+        if self.key_rescale is True and not self.value_rescale:
+            raise FillError("key_rescale = true uses the value_rescale rows: set value_rescale "
+                            "= c > 0, or give key_rescale its own row count")
+        if not isinstance(self.key_rescale, int) or self.key_rescale < 0:
+            raise FillError(f"key_rescale must be an integer ≥ 0 or true, "
+                            f"got {self.key_rescale!r}")
         if self.splice not in SPLICES:
             raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
         if not isinstance(self.sink_rows, int) or self.sink_rows < 0:
             raise FillError(f"sink_rows must be an integer ≥ 0, got {self.sink_rows!r}")
         if self.query_rows < 1 or self.probe_rows < 1:
             raise FillError("query_rows and probe_rows must be ≥ 1")
+
+    @property
+    def key_rescale_rows(self) -> int:
+        """c of the key magnitude rescale (0: off)."""
+        return self.value_rescale if self.key_rescale is True else int(self.key_rescale)
 
     def enabled(self, num_layers: int, n: int) -> bool:
         return self.split < num_layers and self.tail < n
@@ -259,7 +269,8 @@ class RidgeFill:
         n = x_split.shape[0]
         pos_e = exact
         x_f = x_split[filled]
-        rescale_rows = exact[(exact >= p)][:s.value_rescale] if s.value_rescale else None
+        tail_rows = exact[exact >= p]
+        nv, nk = s.value_rescale, s.key_rescale_rows
         q_pos = pos_e[:, None]
         causal = torch.arange(n, device=xe.device)[None, :] <= q_pos          # [E, N]
         for l in range(s.split, self.L):
@@ -276,11 +287,16 @@ class RidgeFill:
                     else:
                         xhat = self._fill_input(s, l, x_f)
                         kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
-                        if rescale_rows is not None and l > s.split and rescale_rows.numel():
+                        if l > s.split and (nv or nk) and tail_rows.numel():
+                            # per-KV-head magnitude ratios exact / predicted on tail rows
                             ks, vs = self._norm_scales(s, l, x_split, a.k, a.v, exact,
-                                                       rescale_rows)
-                            vf = vf * vs[None, :, None]
-                            if s.key_rescale:
+                                                       tail_rows[:max(nv, nk)])
+                            if nv and nk and nv != nk:
+                                ks = self._norm_scales(s, l, x_split, a.k, a.v, exact,
+                                                       tail_rows[:nk])[0]
+                            if nv:
+                                vf = vf * vs[None, :, None]
+                            if nk:
                                 kf = kf * ks[None, :, None]
                         if exact_kv is not None and "k" in s.splice:
                             kf = exact_kv[l][0][filled]

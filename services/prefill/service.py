@@ -41,6 +41,7 @@ class PrefillConfig:
     selector: str = "none"
     budget: float = 0.1
     value_rescale: int = 0
+    key_rescale: int = 0
     terminal_correction: bool = False
 
     def __post_init__(self):
@@ -65,6 +66,7 @@ class PrefillService:
         self.default = FillSettings(split=config.split or self.L // 2, tail=config.tail,
                                     selector=config.selector, budget=config.budget,
                                     value_rescale=config.value_rescale,
+                                    key_rescale=config.key_rescale,
                                     terminal_correction=config.terminal_correction)
         if config.mode == "ridgefill":      # fail at startup, not on the first request
             self.default.validate(self.L)

@@ -319,8 +319,12 @@ def test_rescale_multiplies_filled_rows_by_one_factor_per_kv_head(four_layer):
         assert (ratio.std(0) < 1e-4).all() and ((ratio[0] - 1).abs() > 1e-3).any()
         assert torch.equal(t[80:], ref[80:])                    # exact rows untouched
     assert torch.equal(only_v.k[2], base.k[2])
+    only_k = rf.prefill(ids, FillSettings(split=1, tail=20, key_rescale=8))
+    assert torch.equal(only_k.v[2], base.v[2]) and torch.equal(only_k.k[2], both.k[2])
     with pytest.raises(FillError, match="key_rescale"):
         FillSettings(split=1, tail=20, key_rescale=True).validate(4)
+    with pytest.raises(FillError, match="key_rescale"):
+        FillSettings(split=1, tail=20, key_rescale=-3).validate(4)
 
 
 @pytest.mark.parametrize("selected", [[], [3, 7], [10, 11], [11]])
