@@ -288,16 +288,15 @@ class RidgeFill:
                         xhat = self._fill_input(s, l, x_f)
                         kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
                         if l > s.split and (nv or nk) and tail_rows.numel():
-                            # per-KV-head magnitude ratios exact / predicted on tail rows
-                            ks, vs = self._norm_scales(s, l, x_split, a.k, a.v, exact,
-                                                       tail_rows[:max(nv, nk)])
-                            if nv and nk and nv != nk:
-                                ks = self._norm_scales(s, l, x_split, a.k, a.v, exact,
-                                                       tail_rows[:nk])[0]
+                            # per-KV-head magnitude ratios exact / predicted on the first
+                            # c tail rows, once per distinct c: {c: (key scale, value scale)}
+                            scales = {c: self._norm_scales(s, l, x_split, a.k, a.v, exact,
+                                                           tail_rows[:c])
+                                      for c in {nv, nk} - {0}}
                             if nv:
-                                vf = vf * vs[None, :, None]
+                                vf = vf * scales[nv][1][None, :, None]
                             if nk:
-                                kf = kf * ks[None, :, None]
+                                kf = kf * scales[nk][0][None, :, None]
                         if exact_kv is not None and "k" in s.splice:
                             kf = exact_kv[l][0][filled]
                         if exact_kv is not None and "v" in s.splice:

@@ -13,8 +13,8 @@ ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 HYBRID, PARENT = ZOO / "smollm2-hybrid", ZOO / "smollm2-135m"
 TEXT = ("The pickle module implements binary protocols for serializing and de-serializing a "
         "Python object structure.")
-# Measured on the test's two held-out windows: 3.45 nat vs the parent's 2.87 (+0.58; KL 0.82;
-# before the retrieval stages 3.34, +0.47). The bound leaves about 0.4 nat of headroom.
+# Measured on the test's two held-out windows: 3.43 nat vs the parent's 2.87 (+0.56; KL 0.80;
+# stage C 3.45; before the retrieval stages 3.34). The bound leaves about 0.4 nat of headroom.
 LOSS_MARGIN = 1.0
 
 

@@ -321,6 +321,11 @@ def test_rescale_multiplies_filled_rows_by_one_factor_per_kv_head(four_layer):
     assert torch.equal(only_v.k[2], base.k[2])
     only_k = rf.prefill(ids, FillSettings(split=1, tail=20, key_rescale=8))
     assert torch.equal(only_k.v[2], base.v[2]) and torch.equal(only_k.k[2], both.k[2])
+    # separate row counts: each scale from its own first c tail rows
+    v4 = rf.prefill(ids, FillSettings(split=1, tail=20, value_rescale=4))
+    mixed = rf.prefill(ids, FillSettings(split=1, tail=20, value_rescale=4, key_rescale=8))
+    assert torch.equal(mixed.v[2], v4.v[2]) and torch.equal(mixed.k[2], only_k.k[2])
+    assert not torch.equal(v4.v[2], only_v.v[2])          # 4 rows give another scale than 8
     with pytest.raises(FillError, match="key_rescale"):
         FillSettings(split=1, tail=20, key_rescale=True).validate(4)
     with pytest.raises(FillError, match="key_rescale"):
