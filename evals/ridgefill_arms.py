@@ -88,6 +88,9 @@ class FillArm(Arm):
         L = model.config.num_hidden_layers
         split = split or L // 2
         settings = {"split": split, "tail": tail, "budget": budget, **self.base}
+        if maps_dir is not None:      # every arm (identity and no fill too) keeps the rows
+            # the maps were calibrated without exact, so paired differences compare like rows
+            settings.setdefault("sink_rows", RidgeMaps.sink_rows_of(maps_dir, split))
         # no fill + longer tail: the tail is widened per prompt in `_settings`
         self.longtail_ratio = map_cost_ratio(model) if settings.pop("longtail", False) else None
         self.settings = FillSettings(**settings)

@@ -123,7 +123,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(args.model)
         cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
                                    heldout_docs=args.heldout_docs, map_dtype=args.map_dtype,
-                                   lam=args.lam)
+                                   lam=args.lam, sink_rows=args.sink_rows,
+                                   context_rows=args.context_rows)
         for s in splits:
             maps_mod.check_split(model.config.num_hidden_layers, s)
         start = time.perf_counter()
@@ -332,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                "corpus's calibration split)")
     cal.add_argument("--max-docs", type=int, default=60, help="corpus documents to read")
     cal.add_argument("--max-len", type=int, default=2048, help="rows per forward pass")
+    cal.add_argument("--sink-rows", type=int, default=4,
+                     help="first rows of each sequence left out of the fit (attention sinks, "
+                          "with massive activations); fills keep them exact")
+    cal.add_argument("--context-rows", type=int, default=0,
+                     help="previous rows' split states the map also reads (0: x_S of the row "
+                          "alone, the paper's map; 1: and of the row before)")
     cal.add_argument("--heldout-docs", type=int, default=5,
                      help="first documents held out to pick λ")
     cal.add_argument("--lambda", dest="lam", type=float, default=None,

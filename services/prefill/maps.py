@@ -56,7 +56,8 @@ class Moments:
     """Shifted sums over n rows, float64: with x' = x − cx and y' = y − cy (fixed reference
     vectors taken from the first rows, so the sums never cancel catastrophically),
     Σx', Σx'x'ᵀ and per target layer Σy', Σx'y'ᵀ, Σ‖y'‖². Each chunk's products are formed
-    in fp32 (at most max_len rows) and added into the float64 sums."""
+    in fp32 (at most max_len rows) and added into the float64 sums. x has `d_in` features
+    (default d; more with context rows), every y has d."""
     d: int
     layers: tuple[int, ...]
     n: int = 0
@@ -67,13 +68,16 @@ class Moments:
     sy: dict[int, torch.Tensor] = field(default_factory=dict)
     sxy: dict[int, torch.Tensor] = field(default_factory=dict)
     syy: dict[int, float] = field(default_factory=dict)
+    d_in: int | None = None
 
     def __post_init__(self):
+        if self.d_in is None:
+            self.d_in = self.d
         if self.sx is None:
             z = lambda *shape: torch.zeros(*shape, dtype=torch.float64)  # noqa: E731
-            self.cx, self.sx, self.sxx = z(self.d), z(self.d), z(self.d, self.d)
+            self.cx, self.sx, self.sxx = z(self.d_in), z(self.d_in), z(self.d_in, self.d_in)
             for l in self.layers:
-                self.cy[l], self.sy[l], self.sxy[l] = z(self.d), z(self.d), z(self.d, self.d)
+                self.cy[l], self.sy[l], self.sxy[l] = z(self.d), z(self.d), z(self.d_in, self.d)
                 self.syy[l] = 0.0
 
     def add(self, x: torch.Tensor, ys: dict[int, torch.Tensor]) -> None:
@@ -110,15 +114,30 @@ class Moments:
                    t[f"{prefix}.sxx"], {l: t[f"{prefix}.cy.{l}"] for l in layers},
                    {l: t[f"{prefix}.sy.{l}"] for l in layers},
                    {l: t[f"{prefix}.sxy.{l}"] for l in layers},
-                   {l: float(t[f"{prefix}.syy.{l}"][0]) for l in layers})
+                   {l: float(t[f"{prefix}.syy.{l}"][0]) for l in layers},
+                   d_in=t[f"{prefix}.cx"].numel())
+
+
+def context_features(x: torch.Tensor, rows: torch.Tensor, context_rows: int) -> torch.Tensor:
+    """The map's input for `rows` of x [N, d] (split-layer states): x[t] alone, or with
+    `context_rows` > 0 also x[t−1], …, x[t−c] side by side ([R, d·(1+c)]; zeros before row
+    0). Layers above the split mix the previous token into each row (previous-token heads,
+    the key side of induction), which x[t] alone cannot predict."""
+    if context_rows == 0:
+        return x[rows]
+    parts = [x[rows]]
+    for j in range(1, context_rows + 1):
+        prev = rows - j
+        parts.append(x[prev.clamp_min(0)] * (prev >= 0)[:, None].to(x.dtype))
+    return torch.cat(parts, dim=-1)
 
 
 def solve(m: Moments, lam: float) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """The ridge maps {l: (A [d_out, d_in], b [d_out])} in float64."""
     mx = m.sx / m.n                                                     # mean of x'
     cxx = m.sxx - m.n * torch.outer(mx, mx)
-    alpha = lam * float(torch.trace(cxx)) / m.d
-    chol = torch.linalg.cholesky(cxx + alpha * torch.eye(m.d, dtype=torch.float64))
+    alpha = lam * float(torch.trace(cxx)) / m.d_in
+    chol = torch.linalg.cholesky(cxx + alpha * torch.eye(m.d_in, dtype=torch.float64))
     maps = {}
     for l in m.layers:
         my = m.sy[l] / m.n
@@ -155,6 +174,14 @@ class CalibConfig:
     heldout_docs: int = 5
     map_dtype: str = "bf16"
     lam: float | None = None        # None: pick from LAMBDA_GRID on the held-out documents
+    # The first rows of every calibration sequence stay out of the sums, and fills keep them
+    # exact. The attention-sink row carries massive activations (SmolLM2-135M: ‖x_0‖ ≈ 22,000
+    # against a median of 150 at layer 15): its square outweighs the rest of a 2K-token
+    # sequence ten times over, so with it the fit and λ's held-out score serve that one row.
+    sink_rows: int = 4
+    # Previous rows' split states fed to the map beside the row's own (0: the paper's map,
+    # x̂_l = A_l x_S; c: x̂_l = A_l [x_S[t], x_S[t−1], …, x_S[t−c]] + b_l).
+    context_rows: int = 0
 
 
 def upper_layers(num_layers: int, split: int) -> tuple[int, ...]:
@@ -179,8 +206,13 @@ def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path
         check_split(L, s)
     if cfg.map_dtype not in MAP_DTYPES:
         raise MapsError(f"map dtype must be one of {MAP_DTYPES}, got {cfg.map_dtype!r}")
-    fit = {s: Moments(d, upper_layers(L, s)) for s in cfg.splits}
-    held = {s: Moments(d, upper_layers(L, s)) for s in cfg.splits}
+    if not isinstance(cfg.sink_rows, int) or cfg.sink_rows < 0:
+        raise MapsError(f"sink_rows must be an integer ≥ 0, got {cfg.sink_rows!r}")
+    if not isinstance(cfg.context_rows, int) or not 0 <= cfg.context_rows <= 8:
+        raise MapsError(f"context_rows must be an integer in 0..8, got {cfg.context_rows!r}")
+    d_in = d * (1 + cfg.context_rows)
+    fit = {s: Moments(d, upper_layers(L, s), d_in=d_in) for s in cfg.splits}
+    held = {s: Moments(d, upper_layers(L, s), d_in=d_in) for s in cfg.splits}
     unigram = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     tokens, n_docs = 0, 0
     for i, doc in enumerate(token_docs):
@@ -188,12 +220,15 @@ def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path
         fitting = i >= cfg.heldout_docs
         for start in range(0, len(doc), cfg.max_len):
             ids = torch.tensor(doc[start:start + cfg.max_len], device=model.device)
-            if ids.numel() < 2:
+            if ids.numel() < cfg.sink_rows + 2:
                 continue
             xs, _ = exact_pass(model, ids)
             target = fit if fitting else held
+            k = cfg.sink_rows                   # each chunk is a sequence from position 0
+            rows = torch.arange(k, ids.numel(), device=ids.device)
             for s in cfg.splits:
-                target[s].add(xs[s], {l: xs[l] for l in target[s].layers})
+                target[s].add(context_features(xs[s], rows, cfg.context_rows),
+                              {l: xs[l][k:] for l in target[s].layers})
             if fitting:
                 unigram += torch.bincount(ids.cpu(), minlength=unigram.numel()).double()
                 tokens += ids.numel()
@@ -207,7 +242,8 @@ def calibrate(model: CausalLM, token_docs, cfg: CalibConfig, out_dir: str | Path
     out_dir.mkdir(parents=True, exist_ok=True)
     fp = model_fingerprint(model)
     meta = {"fingerprint": fp, "calib_tokens": str(tokens), "max_len": str(cfg.max_len),
-            "num_layers": str(L), "hidden_size": str(d)}
+            "num_layers": str(L), "hidden_size": str(d), "sink_rows": str(cfg.sink_rows),
+            "context_rows": str(cfg.context_rows)}
     summary = {"fingerprint": fp, "calib_tokens": tokens, "splits": {}}
     for s in cfg.splits:
         save_file({**fit[s].tensors("fit"), **held[s].tensors("held")},
@@ -293,8 +329,21 @@ class RidgeMaps:
         self.device, self.dtype = model.device, model.dtype
         self.layers = upper_layers(model.config.num_hidden_layers, split)
         self.map_id = f"{fp}/S{split}/λ{self.meta['lambda']}"
+        # rows left out of calibration (maps from before the setting: none); fills keep
+        # them exact, as the maps never saw them
+        self.sink_rows = int(self.meta.get("sink_rows", 0))
+        self.context_rows = int(self.meta.get("context_rows", 0))
         self.resident = resident
         self._cache = {l: self._read(l) for l in self.layers} if resident else {}
+
+    @staticmethod
+    def sink_rows_of(maps_dir: str | Path, split: int) -> int:
+        """The rows a split's maps were calibrated without (0 when there are no maps)."""
+        path = Path(maps_dir) / f"maps-S{split}.safetensors"
+        if not path.exists():
+            return 0
+        with safe_open(str(path), "pt") as f:
+            return int(f.metadata().get("sink_rows", 0))
 
     def _read(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         with safe_open(str(self.path), "pt") as f:

@@ -25,7 +25,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
-from services.prefill.maps import RidgeMaps
+from services.prefill.maps import RidgeMaps, context_features
 
 FILLS = ("ridge", "identity", "none")
 SELECTORS = ("none", "attention", "question-blind", "protected", "probe", "random")
@@ -49,7 +49,8 @@ class FillSettings:
     terminal_correction: bool = False
     seed: int = 0                # the random selector's seed
     splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
-    sink_rows: int = 0           # first rows always exact, outside the budget (attention sinks)
+    sink_rows: int = 0           # first rows always exact, outside the budget (attention sinks;
+                                 # a ridge fill also keeps those its maps were fitted without)
     query_rows: int = 64         # attention / question-blind selectors' query rows
     probe_rows: int = 256        # probe selector's rows
 
@@ -193,8 +194,11 @@ class RidgeFill:
             return res
         # 2. pick the exact prefix rows
         selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv)
-        if s.sink_rows:
-            selected = torch.unique(torch.cat([positions[:min(s.sink_rows, p)], selected]))
+        sink = s.sink_rows
+        if s.fill == "ridge" and self.maps is not None:
+            sink = max(sink, self.maps.sink_rows)     # rows the maps were never fitted on
+        if sink:
+            selected = torch.unique(torch.cat([positions[:min(sink, p)], selected]))
         exact = torch.cat([selected, positions[p:]])
         keep = torch.ones(p, dtype=torch.bool, device=m.device)
         keep[selected] = False
@@ -256,11 +260,18 @@ class RidgeFill:
         res.conv[l], res.recurrent[l] = conv0[0], rec0[0]
         return torch.cat(outs)
 
-    def _fill_input(self, s: FillSettings, l: int, x_split: torch.Tensor) -> torch.Tensor:
+    def _features(self, x_split: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The fill's input for `rows`: their split states, beside their predecessors' when
+        the maps read context rows."""
+        c = self.maps.context_rows if self.maps is not None else 0
+        return context_features(x_split, rows, c)
+
+    def _fill_input(self, s: FillSettings, l: int, feats: torch.Tensor) -> torch.Tensor:
+        """x̂_l from the `_features` of the filled rows (their x_S come first)."""
         if l == s.split or s.fill == "identity":
-            return x_split
+            return feats[:, :self.model.config.hidden_size]
         a, b = self.maps.get(l)
-        return torch.addmm(b, x_split, a.T)
+        return torch.addmm(b, feats, a.T)
 
     def _upper(self, s, x_split, xe, he, exact, filled, p, res, exact_kv, *,
                record_state_at=None, collect=None):
@@ -268,7 +279,7 @@ class RidgeFill:
         m = self.model
         n = x_split.shape[0]
         pos_e = exact
-        x_f = x_split[filled]
+        feats_f = self._features(x_split, filled)
         tail_rows = exact[exact >= p]
         nv, nk = s.value_rescale, s.key_rescale_rows
         q_pos = pos_e[:, None]
@@ -285,7 +296,7 @@ class RidgeFill:
                         k[filled], v[filled] = 0, 0
                         valid[filled] = False
                     else:
-                        xhat = self._fill_input(s, l, x_f)
+                        xhat = self._fill_input(s, l, feats_f)
                         kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
                         if l > s.split and (nv or nk) and tail_rows.numel():
                             # per-KV-head magnitude ratios exact / predicted on the first
@@ -309,11 +320,11 @@ class RidgeFill:
                 o, _ = self.attn.attention_lse(a.q[None], k[None], v[None], mask=mask[None])
                 he = m.attn_output(l, xe, o[0], a.gate)
             else:
-                he = self._upper_gdn(s, l, xe, x_f, exact, filled, p, res, record_state_at)
+                he = self._upper_gdn(s, l, xe, feats_f, exact, filled, p, res, record_state_at)
             xe = m.mlp(l, he)
         return xe, he
 
-    def _upper_gdn(self, s, l, xe, x_f, exact, filled, p, res, record_state_at):
+    def _upper_gdn(self, s, l, xe, feats_f, exact, filled, p, res, record_state_at):
         m = self.model
         inp_e = m.gdn_inputs(l, xe)
         use_filled = bool(filled.numel()) and s.fill != "none"
@@ -324,7 +335,7 @@ class RidgeFill:
         dest[order] = torch.arange(order.numel(), device=order.device)
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
-            inp_f = m.gdn_inputs(l, self._fill_input(s, l, x_f), with_z=False)
+            inp_f = m.gdn_inputs(l, self._fill_input(s, l, feats_f), with_z=False)
             seq = GDNInputs(*(None if te is None else _interleave(te, tf, exact, filled, dest)
                               for te, tf in zip((inp_e.mixed, None, inp_e.b, inp_e.a),
                                                 (inp_f.mixed, None, inp_f.b, inp_f.a))))
@@ -356,7 +367,7 @@ class RidgeFill:
         m = self.model
         idx = torch.searchsorted(exact, rows)
         k_pred, v_pred = m.attn_key_value(
-            l, m.norm_in(l, self._fill_input(s, l, x_split[rows])), rows)
+            l, m.norm_in(l, self._fill_input(s, l, self._features(x_split, rows))), rows)
 
         def ratio(true, pred):
             r = true.float().norm(dim=-1) / pred.float().norm(dim=-1).clamp_min(1e-12)

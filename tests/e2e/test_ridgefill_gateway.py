@@ -50,8 +50,9 @@ def test_ridgefill_request_fills_rows_and_answers(rf_server):
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"]
     n = resp.json()["usage"]["prompt_tokens"]
-    assert counter(base, "splitstack_ridgefill_filled_rows_total") - filled0 == n - 32
-    assert counter(base, "splitstack_ridgefill_exact_rows_total") - exact0 == 32
+    # the tail and the 4 sink rows the maps were calibrated without run exact
+    assert counter(base, "splitstack_ridgefill_filled_rows_total") - filled0 == n - 32 - 4
+    assert counter(base, "splitstack_ridgefill_exact_rows_total") - exact0 == 32 + 4
     eng = gateway.backend.engine
     assert eng.blocks.num_free == eng.blocks.num_blocks
 

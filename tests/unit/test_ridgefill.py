@@ -5,13 +5,16 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from evals.ridgefill_arms import greedy_from_prefill
 from models import load_model
 from models.random_checkpoint import save_random_checkpoint
 from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.prefill.capture import exact_pass
 from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, calibrate,
-                                   calibrate_terminal, heldout_error, resolve, solve)
+                                   calibrate_terminal, context_features, heldout_error, resolve,
+                                   solve)
 from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
 
@@ -33,7 +36,10 @@ def four_layer(tmp_path_factory, tiny_configs):
             g = torch.Generator().manual_seed(0)
             docs = [torch.randint(0, 1000, (200,), generator=g).tolist() for _ in range(6)]
             maps_dir = path / "maps"
-            calibrate(model, iter(docs), CalibConfig(splits=(1, 2), max_len=128, heldout_docs=2),
+            # random weights have no attention sink: every row is fitted (and fillable);
+            # test_sink_rows_stay_out_of_the_fit_and_exact covers the default
+            calibrate(model, iter(docs), CalibConfig(splits=(1, 2), max_len=128, heldout_docs=2,
+                                                     sink_rows=0),
                       maps_dir, log=lambda *_: None)
             out[family] = (model, maps_dir)
         return out[family]
@@ -196,6 +202,94 @@ def test_streamed_moments_solve_the_dense_ridge_problem():
     resid = hy.double() - (hx.double() @ a2.T + b2)
     direct = (resid ** 2).sum() / ((hy.double() - hy.double().mean(0)) ** 2).sum()
     assert heldout_error({3: (a2, b2)}, h2) == pytest.approx(float(direct), rel=1e-4)  # fp32 chunk products
+
+
+def test_sink_rows_stay_out_of_the_fit_and_exact(four_layer, tmp_path, monkeypatch):
+    """The first rows of every calibration sequence never enter the sums (a huge first row
+    changes nothing), and a ridge fill keeps them exact: their keys are the exact engine's."""
+    model, _ = four_layer("llama3")
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 1000, (200,), generator=g).tolist() for _ in range(4)]
+    cfg = CalibConfig(splits=(1,), max_len=100, heldout_docs=1)           # sink_rows = 4
+    assert cfg.sink_rows == 4
+    calibrate(model, iter(docs), cfg, tmp_path / "a", log=lambda *_: None)
+    import services.prefill.capture as capture
+    real = capture.exact_pass
+
+    def huge_first_rows(m, ids, **kw):            # a massive-activation sink at row 0
+        xs, kv = real(m, ids, **kw)
+        scale = torch.ones(ids.shape[0], 1)
+        scale[0] = 1e4
+        return [x * scale for x in xs], kv
+
+    monkeypatch.setattr(capture, "exact_pass", huge_first_rows)
+    calibrate(model, iter(docs), cfg, tmp_path / "b", log=lambda *_: None)
+    calibrate(model, iter(docs), dataclasses.replace(cfg, sink_rows=0), tmp_path / "c",
+              log=lambda *_: None)
+    monkeypatch.undo()
+    a, b, c = (load_file(str(tmp_path / d / "stats-S1.safetensors")) for d in "abc")
+    assert a["fit.n"].item() == 3 * 2 * (100 - 4)       # 3 fit docs, 2 sequences each
+    assert torch.equal(a["fit.sxx"], b["fit.sxx"]) and torch.equal(a["fit.sxy.3"], b["fit.sxy.3"])
+    assert c["fit.n"].item() == 3 * 200 and not torch.allclose(a["fit.sxx"], c["fit.sxx"])
+    maps = RidgeMaps(tmp_path / "a", model, 1)
+    assert maps.sink_rows == 4 and RidgeMaps.sink_rows_of(tmp_path / "a", 1) == 4
+    ids = prompt(90, seed=2)
+    res = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10))
+    assert res.exact_rows.tolist() == [0, 1, 2, 3] + list(range(80, 90))
+    assert res.num_filled == 76
+    exact = RidgeFill(model).prefill(ids, FillSettings(split=4, tail=0))
+    for l in model.config.full_attention_layers:
+        torch.testing.assert_close(res.k[l][:4], exact.k[l][:4], atol=1e-5, rtol=0)
+        if l > 1:
+            assert not torch.allclose(res.k[l][4:80], exact.k[l][4:80], atol=1e-3)
+    # identity fill has no maps to answer for: it keeps only the rows asked for
+    assert RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10, fill="identity")) \
+        .num_filled == 80
+
+
+def test_context_rows_put_the_previous_split_state_beside_the_row():
+    x = torch.arange(12.0).view(4, 3)
+    f = context_features(x, torch.tensor([0, 2, 3]), 2)
+    assert f.shape == (3, 9)
+    assert f[0].tolist() == [0, 1, 2] + [0] * 6                       # nothing before row 0
+    assert f[1].tolist() == [6, 7, 8, 3, 4, 5, 0, 1, 2]              # x[2], x[1], x[0]
+    assert torch.equal(context_features(x, torch.tensor([1, 3]), 0), x[[1, 3]])
+    # a target that needs the previous row: the map with one context row recovers it
+    g = torch.Generator().manual_seed(0)
+    d = 6
+    w0, w1 = torch.randn(d, d, generator=g), torch.randn(d, d, generator=g)
+    seq = torch.randn(400, d, generator=g)
+    y = seq @ w0.T
+    y[1:] += seq[:-1] @ w1.T
+    rows = torch.arange(1, 400)
+    m0, m1 = Moments(d, (2,)), Moments(d, (2,), d_in=2 * d)
+    m0.add(context_features(seq, rows, 0), {2: y[1:]})
+    m1.add(context_features(seq, rows, 1), {2: y[1:]})
+    a1, _ = solve(m1, 1e-8)[2]
+    torch.testing.assert_close(a1.float(), torch.cat([w0, w1], 1), atol=1e-4, rtol=0)
+    assert heldout_error(solve(m1, 1e-8), m1) < 1e-8 < 0.3 < heldout_error(solve(m0, 1e-8), m0)
+
+
+def test_fill_with_context_maps_reads_the_row_before(four_layer, tmp_path):
+    """Filled keys are K(norm(A [x_S[t], x_S[t−1]] + b)), from maps calibrated so."""
+    model, _ = four_layer("llama3")
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 1000, (200,), generator=g).tolist() for _ in range(4)]
+    calibrate(model, iter(docs), CalibConfig(splits=(1,), max_len=100, heldout_docs=1,
+                                             context_rows=1), tmp_path, log=lambda *_: None)
+    maps = RidgeMaps(tmp_path, model, 1)
+    assert maps.context_rows == 1 and maps.get(3)[0].shape == (128, 256)
+    ids = prompt(60, seed=3)
+    res = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10))
+    assert res.num_filled == 50 - 4                                       # 4 sink rows exact
+    xs, _ = exact_pass(model, torch.tensor(ids))
+    a, b = maps.get(3)
+    rows = torch.arange(4, 50)
+    xhat = torch.cat([xs[1][rows], xs[1][rows - 1]], 1) @ a.T + b
+    k, _ = model.attn_key_value(3, model.norm_in(3, xhat), rows)
+    torch.testing.assert_close(res.k[3][4:50], k, atol=1e-5, rtol=0)
+    with pytest.raises(MapsError, match="context_rows"):
+        calibrate(model, iter(docs), CalibConfig(splits=(1,), context_rows=-1), tmp_path / "x")
 
 
 def test_new_lambda_resolves_from_saved_sums_without_data(four_layer, tmp_path, monkeypatch):
