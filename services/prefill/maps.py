@@ -5,7 +5,10 @@ inputs x_l of layer l (rows = tokens, centred by their means):
 
     A_l = Y_lᵀX (XᵀX + αI)⁻¹,   b_l = μ_l − A_l μ_S,   α = λ·tr(XᵀX)/d_in
 
-(layer S itself reads x_S exactly and needs no map). Only the float64 sums
+(layer S itself reads x_S exactly and needs no map). Two departures from the paper's plain
+map, both recorded in the maps' metadata: the first `sink_rows` rows of every calibration
+sequence stay out of the sums (fills keep them exact), and with `context_rows` c > 0 the
+input X is [x_S[t], x_S[t−1], …, x_S[t−c]] (`context_features`). Only the float64 sums
 Σx, Σxxᵀ, Σy_l, Σx y_lᵀ, Σ‖y_l‖² and the row count are kept, so any amount of text streams
 through in constant memory and a new λ re-solves from the saved sums without re-reading.
 
@@ -14,7 +17,8 @@ On disk (MAPS_DIR):
     maps-S{S}.safetensors    A.{l} (bf16, or int8 with per-row A_scale.{l}), b.{l} (fp32),
                              optional delta_state.{l} (terminal-state offsets, hybrids)
     unigram.safetensors      calibration token counts (the `protected` selector)
-Every file carries metadata: the model fingerprint, split, λ, calibration tokens, max length.
+Every file carries metadata: the model fingerprint, split, λ, calibration tokens, max length,
+sink rows and context rows.
 """
 from __future__ import annotations
 
