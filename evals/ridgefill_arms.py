@@ -29,14 +29,15 @@ from services.prefill.maps import RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
 
 
-def map_cost_ratio(model: CausalLM) -> float:
+def map_cost_ratio(model: CausalLM, context_rows: int = 0) -> float:
     """Multiply-adds of one filled row in one upper layer (map + norm + K/V projections)
-    over one exact row in one layer (projections + feed-forward), attention excluded."""
+    over one exact row in one layer (projections + feed-forward), attention excluded. The
+    map reads d·(1 + context_rows) inputs."""
     c = model.config
     d, qd, kvd = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     ffn = 3 * d * (c.intermediate_size or c.moe_intermediate_size or d)
     layer = d * (2 * qd + 2 * kvd) + ffn
-    return (d * d + 2 * d * kvd) / layer
+    return (d * d * (1 + context_rows) + 2 * d * kvd) / layer
 
 
 @torch.inference_mode()
@@ -88,11 +89,14 @@ class FillArm(Arm):
         L = model.config.num_hidden_layers
         split = split or L // 2
         settings = {"split": split, "tail": tail, "budget": budget, **self.base}
-        if maps_dir is not None:      # every arm (identity and no fill too) keeps the rows
-            # the maps were calibrated without exact, so paired differences compare like rows
-            settings.setdefault("sink_rows", RidgeMaps.sink_rows_of(maps_dir, split))
-        # no fill + longer tail: the tail is widened per prompt in `_settings`
-        self.longtail_ratio = map_cost_ratio(model) if settings.pop("longtail", False) else None
+        sink, context = RidgeMaps.layout_of(maps_dir, split) if maps_dir is not None else (0, 0)
+        # every arm (identity and no fill too) keeps the rows the maps were calibrated
+        # without exact, so paired differences compare like rows
+        settings.setdefault("sink_rows", sink)
+        # no fill + longer tail: the tail is widened per prompt in `_settings`, to the cost
+        # of the maps at hand
+        self.longtail_ratio = (map_cost_ratio(model, context) if settings.pop("longtail", False)
+                               else None)
         self.settings = FillSettings(**settings)
         needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
         maps = RidgeMaps(maps_dir, model, split) if needs_maps else None

@@ -341,13 +341,15 @@ class RidgeMaps:
         self._cache = {l: self._read(l) for l in self.layers} if resident else {}
 
     @staticmethod
-    def sink_rows_of(maps_dir: str | Path, split: int) -> int:
-        """The rows a split's maps were calibrated without (0 when there are no maps)."""
+    def layout_of(maps_dir: str | Path, split: int) -> tuple[int, int]:
+        """(sink rows, context rows) of a split's maps, read from the file's metadata
+        without loading or checking them; (0, 0) when there are no maps."""
         path = Path(maps_dir) / f"maps-S{split}.safetensors"
         if not path.exists():
-            return 0
+            return 0, 0
         with safe_open(str(path), "pt") as f:
-            return int(f.metadata().get("sink_rows", 0))
+            meta = f.metadata()
+        return int(meta.get("sink_rows", 0)), int(meta.get("context_rows", 0))
 
     def _read(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         with safe_open(str(self.path), "pt") as f:

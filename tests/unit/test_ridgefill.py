@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from evals.ridgefill_arms import greedy_from_prefill
+from evals.ridgefill_arms import greedy_from_prefill, map_cost_ratio
 from models import load_model
 from models.random_checkpoint import save_random_checkpoint
 from services.engine import EngineConfig, GenerationParams, LLMEngine
@@ -232,7 +232,7 @@ def test_sink_rows_stay_out_of_the_fit_and_exact(four_layer, tmp_path, monkeypat
     assert torch.equal(a["fit.sxx"], b["fit.sxx"]) and torch.equal(a["fit.sxy.3"], b["fit.sxy.3"])
     assert c["fit.n"].item() == 3 * 200 and not torch.allclose(a["fit.sxx"], c["fit.sxx"])
     maps = RidgeMaps(tmp_path / "a", model, 1)
-    assert maps.sink_rows == 4 and RidgeMaps.sink_rows_of(tmp_path / "a", 1) == 4
+    assert maps.sink_rows == 4 and RidgeMaps.layout_of(tmp_path / "a", 1) == (4, 0)
     ids = prompt(90, seed=2)
     res = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10))
     assert res.exact_rows.tolist() == [0, 1, 2, 3] + list(range(80, 90))
@@ -279,6 +279,12 @@ def test_fill_with_context_maps_reads_the_row_before(four_layer, tmp_path):
                                              context_rows=1), tmp_path, log=lambda *_: None)
     maps = RidgeMaps(tmp_path, model, 1)
     assert maps.context_rows == 1 and maps.get(3)[0].shape == (128, 256)
+    assert RidgeMaps.layout_of(tmp_path, 1) == (4, 1) and RidgeMaps.layout_of(tmp_path, 2) == (0, 0)
+    # the longer-tail control arm pays for the wider map: d² more multiply-adds per row
+    d = model.config.hidden_size
+    per_madd = map_cost_ratio(model) / (d * d + 2 * d * model.config.num_key_value_heads
+                                        * model.config.head_dim)
+    assert map_cost_ratio(model, 1) - map_cost_ratio(model) == pytest.approx(d * d * per_madd)
     ids = prompt(60, seed=3)
     res = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10))
     assert res.num_filled == 50 - 4                                       # 4 sink rows exact
