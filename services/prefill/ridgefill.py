@@ -91,11 +91,16 @@ class FillSettings:
         return self.split < num_layers and self.tail < n
 
     def compute_share(self, num_layers: int, n: int) -> float:
-        """r = S/L + (1 − S/L)·T/N: the share of exact prefill's layer passes still run."""
+        """r = S/L + (1 − S/L)·E/N: the share of exact prefill's layer passes still run, with
+        E the rows that run every layer: the tail T, plus a selector's budget of the prefix
+        (`protected` may pick fewer). Layer passes only: maps, filled rows' GDN state
+        updates and the probe's sweep are not counted."""
         if not self.enabled(num_layers, n):
             return 1.0
         s = self.split / num_layers
-        return s + (1 - s) * self.tail / n
+        p = n - max(1, self.tail)
+        rows = n - p + (int(round(self.budget * p)) if self.selector != "none" else 0)
+        return s + (1 - s) * rows / n
 
 
 @dataclass

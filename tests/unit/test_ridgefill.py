@@ -404,6 +404,9 @@ def test_compute_share_bound():
     s = FillSettings(split=12, tail=4096)
     assert s.compute_share(32, 16384) == pytest.approx(12 / 32 + (20 / 32) * 4096 / 16384)
     assert dataclasses.replace(s, tail=20000).compute_share(32, 16384) == 1.0
+    probe = dataclasses.replace(s, selector="probe", budget=0.3)    # + 30% of the prefix
+    rows = 4096 + round(0.3 * (16384 - 4096))
+    assert probe.compute_share(32, 16384) == pytest.approx(12 / 32 + (20 / 32) * rows / 16384)
 
 
 def test_rescale_multiplies_filled_rows_by_one_factor_per_kv_head(four_layer):
