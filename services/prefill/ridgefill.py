@@ -322,12 +322,26 @@ class RidgeFill:
                 mask = causal & valid[None, :]
                 if collect is not None:
                     collect(l, a.q, k, mask)
-                o, _ = self.attn.attention_lse(a.q[None], k[None], v[None], mask=mask[None])
-                he = m.attn_output(l, xe, o[0], a.gate)
+                o = self._attend(a.q, k, v, mask, pos_e)
+                he = m.attn_output(l, xe, o, a.gate)
             else:
                 he = self._upper_gdn(s, l, xe, feats_f, exact, filled, p, res, record_state_at)
             xe = m.mlp(l, he)
         return xe, he
+
+    def _attend(self, q, k, v, mask, pos, group: int = 256):
+        """Exact rows (q [E, H, D], at positions `pos`, ascending) over the layer's cache
+        (k, v [N, KV, D]) under the causal `mask` [E, N]. Rows go in groups of `group`, each
+        over the keys up to its last row only: selected prefix rows spread over the prompt
+        then cost about half the key sweep of the dense [E, N] mask."""
+        outs = []
+        for g0 in range(0, q.shape[0], group):
+            g1 = min(q.shape[0], g0 + group)
+            kmax = int(pos[g0:g1].max()) + 1
+            o, _ = self.attn.attention_lse(q[None, g0:g1], k[None, :kmax], v[None, :kmax],
+                                           mask=mask[None, g0:g1, :kmax])
+            outs.append(o[0])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _upper_gdn(self, s, l, xe, feats_f, exact, filled, p, res, record_state_at):
         m = self.model

@@ -400,6 +400,27 @@ def test_served_ridgefill_matches_the_eval_decode_and_frees_blocks(four_layer):
         assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_grouped_attention_of_exact_rows_equals_one_pass(four_layer):
+    """Exact rows attend in groups over the keys up to each group's last row: the same
+    output as one pass under the whole [E, N] mask."""
+    model, _ = four_layer("llama3")
+    g = torch.Generator().manual_seed(0)
+    n, h, kv, d = 300, 4, 2, 32
+    pos = torch.cat([torch.tensor([0, 1, 2, 3, 40, 41, 90, 150, 151, 199]), torch.arange(260, 300)])
+    q = torch.randn(pos.numel(), h, d, generator=g)
+    k, v = torch.randn(n, kv, d, generator=g), torch.randn(n, kv, d, generator=g)
+    valid = torch.rand(n, generator=g) > 0.2
+    valid[pos] = True
+    mask = (torch.arange(n)[None, :] <= pos[:, None]) & valid[None, :]
+    rf = RidgeFill(model)
+    whole = rf._attend(q, k, v, mask, pos, group=10 ** 6)
+    ref, _ = rf.attn.attention_lse(q[None], k[None], v[None], mask=mask[None])
+    torch.testing.assert_close(whole, ref[0])
+    for group in (1, 3, 7, 256):
+        torch.testing.assert_close(rf._attend(q, k, v, mask, pos, group=group), ref[0],
+                                   atol=1e-5, rtol=1e-5)
+
+
 def test_compute_share_bound():
     s = FillSettings(split=12, tail=4096)
     assert s.compute_share(32, 16384) == pytest.approx(12 / 32 + (20 / 32) * 4096 / 16384)
