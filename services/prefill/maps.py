@@ -307,6 +307,11 @@ def encode_matrix(name: str, a: torch.Tensor, map_dtype: str) -> dict[str, torch
 
 
 # ---- loading ----------------------------------------------------------------------------
+def _layout(meta: dict) -> tuple[int, int]:
+    """(sink rows, context rows) from maps metadata; maps from before either setting: 0."""
+    return int(meta.get("sink_rows", 0)), int(meta.get("context_rows", 0))
+
+
 class RidgeMaps:
     """The maps of one split, checked against the model; resident, or streamed per layer.
 
@@ -333,10 +338,9 @@ class RidgeMaps:
         self.device, self.dtype = model.device, model.dtype
         self.layers = upper_layers(model.config.num_hidden_layers, split)
         self.map_id = f"{fp}/S{split}/λ{self.meta['lambda']}"
-        # rows left out of calibration (maps from before the setting: none); fills keep
-        # them exact, as the maps never saw them
-        self.sink_rows = int(self.meta.get("sink_rows", 0))
-        self.context_rows = int(self.meta.get("context_rows", 0))
+        # rows left out of calibration (fills keep them exact, as the maps never saw them)
+        # and previous rows the map reads
+        self.sink_rows, self.context_rows = _layout(self.meta)
         self.resident = resident
         self._cache = {l: self._read(l) for l in self.layers} if resident else {}
 
@@ -348,8 +352,7 @@ class RidgeMaps:
         if not path.exists():
             return 0, 0
         with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        return int(meta.get("sink_rows", 0)), int(meta.get("context_rows", 0))
+            return _layout(f.metadata())
 
     def _read(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         with safe_open(str(self.path), "pt") as f:

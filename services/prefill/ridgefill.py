@@ -90,6 +90,14 @@ class FillSettings:
     def enabled(self, num_layers: int, n: int) -> bool:
         return self.split < num_layers and self.tail < n
 
+    def prefix_end(self, n: int) -> int:
+        """P: rows < P may be filled (the tail keeps at least the last row exact)."""
+        return n - max(1, self.tail)
+
+    def budget_rows(self, p: int) -> int:
+        """How many of the P prefix rows the selector computes exactly."""
+        return int(round(self.budget * p)) if self.selector != "none" else 0
+
     def compute_share(self, num_layers: int, n: int) -> float:
         """r = S/L + (1 − S/L)·E/N: the share of exact prefill's layer passes still run, with
         E the rows that run every layer: the tail T, plus a selector's budget of the prefix
@@ -98,9 +106,8 @@ class FillSettings:
         if not self.enabled(num_layers, n):
             return 1.0
         s = self.split / num_layers
-        p = n - max(1, self.tail)
-        rows = n - p + (int(round(self.budget * p)) if self.selector != "none" else 0)
-        return s + (1 - s) * rows / n
+        p = self.prefix_end(n)
+        return s + (1 - s) * (n - p + self.budget_rows(p)) / n
 
 
 @dataclass
@@ -178,7 +185,7 @@ class RidgeFill:
             raise FillError("n_logits must be ≥ 1")
         enabled = s.enabled(self.L, n)
         split = s.split if enabled else self.L
-        p = n - max(1, s.tail) if enabled else n    # prefix end (rows < p may be filled)
+        p = s.prefix_end(n) if enabled else n       # rows < p may be filled
         if record_state_at is not None and enabled and record_state_at != p:
             raise FillError("a filled prefill records GDN states at its prefix end only")
         if enabled and s.splice and exact_kv is None:
@@ -265,10 +272,11 @@ class RidgeFill:
         res.conv[l], res.recurrent[l] = conv0[0], rec0[0]
         return torch.cat(outs)
 
-    def _features(self, x_split: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _features(self, s: FillSettings, x_split: torch.Tensor, rows: torch.Tensor
+                  ) -> torch.Tensor:
         """The fill's input for `rows`: their split states, beside their predecessors' when
-        the maps read context rows."""
-        c = self.maps.context_rows if self.maps is not None else 0
+        a ridge fill's maps read context rows (identity and no fill read x_S alone)."""
+        c = self.maps.context_rows if s.fill == "ridge" and self.maps is not None else 0
         return context_features(x_split, rows, c)
 
     def _fill_input(self, s: FillSettings, l: int, feats: torch.Tensor) -> torch.Tensor:
@@ -284,7 +292,7 @@ class RidgeFill:
         m = self.model
         n = x_split.shape[0]
         pos_e = exact
-        feats_f = self._features(x_split, filled)
+        feats_f = self._features(s, x_split, filled)
         tail_rows = exact[exact >= p]
         nv, nk = s.value_rescale, s.key_rescale_rows
         q_pos = pos_e[:, None]
@@ -386,7 +394,7 @@ class RidgeFill:
         m = self.model
         idx = torch.searchsorted(exact, rows)
         k_pred, v_pred = m.attn_key_value(
-            l, m.norm_in(l, self._fill_input(s, l, self._features(x_split, rows))), rows)
+            l, m.norm_in(l, self._fill_input(s, l, self._features(s, x_split, rows))), rows)
 
         def ratio(true, pred):
             r = true.float().norm(dim=-1) / pred.float().norm(dim=-1).clamp_min(1e-12)
@@ -396,7 +404,7 @@ class RidgeFill:
 
     # ---- selectors -------------------------------------------------------------------
     def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv) -> torch.Tensor:
-        budget = int(round(s.budget * p))
+        budget = s.budget_rows(p)
         dev = ids.device
         empty = torch.zeros(0, dtype=torch.long, device=dev)
         if s.selector == "none" or budget == 0 or p == 0:

@@ -294,6 +294,10 @@ def test_fill_with_context_maps_reads_the_row_before(four_layer, tmp_path):
     xhat = torch.cat([xs[1][rows], xs[1][rows - 1]], 1) @ a.T + b
     k, _ = model.attn_key_value(3, model.norm_in(3, xhat), rows)
     torch.testing.assert_close(res.k[3][4:50], k, atol=1e-5, rtol=0)
+    # identity fill ignores the maps' context rows: x̂ = x_S of the row itself
+    ident = RidgeFill(model, maps).prefill(ids, FillSettings(split=1, tail=10, fill="identity"))
+    plain = RidgeFill(model).prefill(ids, FillSettings(split=1, tail=10, fill="identity"))
+    torch.testing.assert_close(ident.k[3], plain.k[3], atol=0, rtol=0)
     with pytest.raises(MapsError, match="context_rows"):
         calibrate(model, iter(docs), CalibConfig(splits=(1,), context_rows=-1), tmp_path / "x")
 
