@@ -45,6 +45,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
     n = -(-t // c)
     want = (torch.ones(n, dtype=torch.bool) if out_rows is None else
             F.pad(out_rows.cpu(), (0, n * c - t)).view(n, c).any(-1)).tolist()
+    # under autograd (distillation trains through this kernel) every step is out of place;
+    # otherwise products are written into the buffers they came from
+    grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
+    mul = torch.mul if grad else torch.Tensor.mul_
     lower = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
     s = (k.new_zeros(b * h, dk, dv, dtype=acc) if initial_state is None
          else initial_state.to(acc).reshape(b * h, dk, dv).clone())
@@ -72,11 +77,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         # would lose their low digits to cancellation, so the cumsum and its differences
         # run in fp64 (the differences are then exact enough in fp32 for exp)
         gamma = chunks(g[..., None], r0, r1, m)[..., 0].double().cumsum(-1)      # [m, BH, C]
-        decay = (gamma[..., :, None] - gamma[..., None, :]).to(acc).exp_().masked_fill_(~lower, 0)
+        decay = (gamma[..., :, None] - gamma[..., None, :]).to(acc).exp().masked_fill(~lower, 0)
         eg = gamma.exp().to(acc)[..., None]
         kb = kk * bb
-        a = (kb @ kk.transpose(-1, -2)).mul_(decay).tril_(-1)                  # strict lower
-        rhs = torch.cat([chunks(v, r0, r1, m) * bb, kb.mul_(eg)], dim=-1)
+        a = mul(kb @ kk.transpose(-1, -2), decay).tril(-1)                      # strict lower
+        rhs = torch.cat([chunks(v, r0, r1, m) * bb, mul(kb, eg)], dim=-1)
         uw = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
         u, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()
         wb = [i for i in range(m) if want[c0 + i]]       # chunks of this block with outputs
@@ -84,9 +89,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
             qq = chunks(q, r0, r1, m, r)[wb]
             if use_qk_l2norm:
                 qq = l2norm(qq)
-            qk = (qq @ kk[wb].transpose(-1, -2)).mul_(decay[wb]).mul_(scale)
-            q_decay = qq.mul_(eg[wb]).mul_(scale)
-            ob = k.new_empty(len(wb), b * h, c, dv, dtype=acc)
+            qk = mul(mul(qq @ kk[wb].transpose(-1, -2), decay[wb]), scale)
+            q_decay = mul(mul(qq, eg[wb]), scale)
+            ob = [] if grad else k.new_empty(len(wb), b * h, c, dv, dtype=acc)
         k_decay_t = (kk * (gamma[..., -1:] - gamma).exp().to(acc)[..., None]) \
             .transpose(-1, -2).contiguous()                                    # [m, BH, Dk, C]
         step = gamma[..., -1].exp().to(acc)[..., None, None]                   # e^{γ_C}
@@ -94,9 +99,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         for i in range(m):
             vn = torch.baddbmm(u[i], w[i], s, alpha=-1)
             if want[c0 + i]:
-                torch.baddbmm(torch.bmm(q_decay[j], s), qk[j], vn, out=ob[j])
+                if grad:
+                    ob.append(torch.baddbmm(torch.bmm(q_decay[j], s), qk[j], vn))
+                else:
+                    torch.baddbmm(torch.bmm(q_decay[j], s), qk[j], vn, out=ob[j])
                 j += 1
-            s = torch.baddbmm(s.mul_(step[i]), k_decay_t[i], vn)
+            s = torch.baddbmm(mul(s, step[i]), k_decay_t[i], vn)
+        if grad and wb:
+            ob = torch.stack(ob)
         if len(wb) == m:
             out[:, r0:r1] = ob.view(m, b, h, c, dv).permute(1, 0, 3, 2, 4) \
                 .reshape(b, m * c, h, dv)[:, :r1 - r0]
