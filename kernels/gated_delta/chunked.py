@@ -77,10 +77,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         # would lose their low digits to cancellation, so the cumsum and its differences
         # run in fp64 (the differences are then exact enough in fp32 for exp)
         gamma = chunks(g[..., None], r0, r1, m)[..., 0].double().cumsum(-1)      # [m, BH, C]
-        decay = (gamma[..., :, None] - gamma[..., None, :]).to(acc).exp().masked_fill(~lower, 0)
+        diff = (gamma[..., :, None] - gamma[..., None, :]).to(acc)
+        decay = (diff.exp().masked_fill(~lower, 0) if grad
+                 else diff.exp_().masked_fill_(~lower, 0))
         eg = gamma.exp().to(acc)[..., None]
         kb = kk * bb
-        a = mul(kb @ kk.transpose(-1, -2), decay).tril(-1)                      # strict lower
+        a = mul(kb @ kk.transpose(-1, -2), decay)
+        a = a.tril(-1) if grad else a.tril_(-1)                                # strict lower
         rhs = torch.cat([chunks(v, r0, r1, m) * bb, mul(kb, eg)], dim=-1)
         uw = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
         u, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()
