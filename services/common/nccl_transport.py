@@ -8,8 +8,11 @@ buffers in the same order, runs the stage, and answers the same way. Tensors tra
 bytes (`ncclUint8`), so every dtype goes through unchanged. NCCL ops are stream-ordered,
 so neither side synchronizes the host: the next kernel on the stream waits for the bytes.
 
+The prefill service uses the same links for a prompt's KV and states
+(`services.prefill.server`, `Pull`).
+
 Setup (Ray, `services.common.ray_deploy`): the replica makes a unique id and starts joining
-as rank 1 on a thread (`PoolNcclEndpoint.listen`); the cache side joins as rank 0 with that
+as rank 1 on a thread (`NcclEndpoint.listen`); the cache side joins as rank 0 with that
 id (`NcclTransport.connect`). cupy is imported lazily: without CUDA this module imports,
 and only building a link fails, with a clear error.
 """
@@ -70,8 +73,9 @@ class NcclLink:
         return out
 
 
-class PoolNcclEndpoint:
-    """Pool side: one link per cache-side peer, made on request (`listen`)."""
+class NcclEndpoint:
+    """Server side (a pool or prefill replica): one link per cache-side peer, made on
+    request (`listen`)."""
 
     def __init__(self):
         self.links: dict[str, NcclLink] = {}

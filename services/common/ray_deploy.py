@@ -14,6 +14,8 @@ With `prefill_replicas` P ≥ 1, every prompt is prefilled by a prefill replica 
 engine with the RidgeFill prefill service and the prefix cache when configured, see
 `services.prefill.server`), whose KV and GDN states the attention service stores before it
 decodes; with P = 0 the attention service prefills through the pool itself (exact only).
+Under `nccl` the prompt's KV and states come over NCCL too (one link per attention service
+and prefill replica; the gRPC stream carries only metadata and the logits).
 
 `local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
 `nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
@@ -127,9 +129,9 @@ class PoolReplica:
         self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
         self.nccl = None
         if use_gpu:
-            from services.common.nccl_transport import PoolNcclEndpoint
+            from services.common.nccl_transport import NcclEndpoint
 
-            self.nccl = PoolNcclEndpoint()
+            self.nccl = NcclEndpoint()
         self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl)
         self.addr = _advertised(bound)
 
@@ -165,13 +167,25 @@ class PrefillReplica:
                            device="cuda" if c.use_gpu else "cpu")
         registry = CollectorRegistry()
         self.engine, service = build_engine(model, c.model, c.prefill, registry)
+        self.nccl = None
+        if c.transport == "nccl":      # KV and states go to the attention services over NCCL
+            from services.common.nccl_transport import NcclEndpoint
+
+            self.nccl = NcclEndpoint()
         self.server, bound, self.loop = serve_prefill(self.engine, service, registry,
-                                                      f"{c.host}:0", name)
+                                                      f"{c.host}:0", name, nccl=self.nccl)
         self.addr = _advertised(bound)
         self.name = name
 
     def address(self) -> str:
         return self.addr
+
+    def nccl_listen(self, peer: str):
+        """`nccl` transport: a communicator id for attention service `peer`, which this
+        replica is joining as rank 1."""
+        if self.nccl is None:
+            raise RuntimeError("this prefill replica was not started under --transport nccl")
+        return self.nccl.listen(peer)
 
     def blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks of its engine once its prefills are done: the leak check."""
@@ -184,7 +198,7 @@ class AttentionReplica:
 
     def __init__(self, config: ClusterConfig, name: str, pools: list | None = None,
                  pool_addresses: list[str] | None = None,
-                 prefill_addresses: list[str] | None = None):
+                 prefill_addresses: list[str] | None = None, prefills: list | None = None):
         from services.attention.server import serve_attention
         from services.attention.service import AttentionService
         from services.attention.shard import KVShard
@@ -234,8 +248,17 @@ class AttentionReplica:
         if prefill_addresses:
             from services.prefill.server import PrefillClient
 
+            links = None
+            if c.transport == "nccl":
+                import ray
+
+                from services.common.nccl_transport import NcclLink
+
+                links = [NcclLink(uid, rank=0)
+                         for uid in ray.get([p.nccl_listen.remote(name) for p in prefills])]
             prefill = PrefillClient(prefill_addresses, cfg, model.dtype,
-                                    cache_aware=c.prefill.prefix_cache_bytes is not None)
+                                    cache_aware=c.prefill.prefix_cache_bytes is not None,
+                                    links=links, peer=name, device=device)
         self.server, bound, self.loop = serve_attention(
             self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
             registry=registry)
@@ -298,7 +321,8 @@ def deploy(config: ClusterConfig) -> Cluster:
             cluster.prefill_addresses = ray.get([p.address.remote() for p in cluster.prefills])
         cls = ray.remote(**opts)(AttentionReplica)
         cluster.attention = [cls.remote(config, f"attention-{i}", cluster.pools,
-                                        cluster.pool_addresses, cluster.prefill_addresses)
+                                        cluster.pool_addresses, cluster.prefill_addresses,
+                                        cluster.prefills)
                              for i in range(config.attention_shards)]
         cluster.attention_addresses = ray.get([a.address.remote() for a in cluster.attention])
     except Exception:     # a wiring the checkpoint was not trained for, maps for another...

@@ -23,7 +23,7 @@ def _generator(state: bytes) -> torch.Generator | None:
 
 
 class PoolServicer(pb_grpc.MLPPoolServicer):
-    """`nccl`: a `PoolNcclEndpoint`; requests naming an `nccl_peer` get their tensors'
+    """`nccl`: a `NcclEndpoint`; requests naming an `nccl_peer` get their tensors'
     bytes over that peer's link, and the reply's go back the same way."""
 
     def __init__(self, pool: MLPPool, nccl=None, registry=None):
@@ -78,7 +78,7 @@ def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 6
     Each client's stream holds one handler thread, so `max_workers` caps the cache-side
     clients. `batching`: concurrent calls from different clients run as one forward
     (`BatchingPool`, which also records stage latency and batch size, served by `Stats`).
-    `nccl`: the replica's `PoolNcclEndpoint`, for the nccl transport."""
+    `nccl`: the replica's `NcclEndpoint`, for the nccl transport."""
     from services.mlp_pool.batcher import BatchingPool
     from services.mlp_pool.metrics import PoolMetrics
 

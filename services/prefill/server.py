@@ -14,6 +14,14 @@ to a replica that dies is simply made again on another (`PrefillClient`).
 
 Contract: the replica's step loop is the only code that touches its engine; handler threads
 submit, wait for the one output, and stream it. Cancelling a call aborts its prefill.
+
+Under the `nccl` transport (`PrefillRequest.nccl_peer`) the KV and state events carry
+metadata only and a `transfer` event comes before the logits (which stay inline, one row).
+The replica keeps the tensors until the caller pulls them (`Pull`): the replica posts one
+send per tensor on the peer's link, in event order, and the caller then posts its receives
+in the same order. The caller makes one pull at a time per link, so concurrent prompts
+cannot interleave on it; a transfer nobody pulls is dropped after `TRANSFER_TTL_S`
+(counted in `splitstack_prefill_transfers_expired_total`).
 """
 from __future__ import annotations
 
@@ -100,21 +108,57 @@ def prefill_params(opts: pb.PrefillOptions, num_tokens: int,
                             replay_ratio=opts.replay_ratio if opts.has_replay_ratio else None)
 
 
-def export_events(export: PromptExport, cfg: ModelConfig):
+def export_events(export: PromptExport, cfg: ModelConfig, encode=to_proto):
+    """The KV and state events of an export; `encode` turns each tensor into its proto
+    (`nccl_transport.meta` for metadata only), called in the order the events carry them."""
     for i, l in enumerate(cfg.full_attention_layers):
-        yield pb.PrefillEvent(kv=pb.PromptKV(layer=l, k=to_proto(export.kv[i, 0]),
-                                             v=to_proto(export.kv[i, 1])))
+        yield pb.PrefillEvent(kv=pb.PromptKV(layer=l, k=encode(export.kv[i, 0]),
+                                             v=encode(export.kv[i, 1])))
     for i, l in enumerate(cfg.linear_attention_layers):
-        yield pb.PrefillEvent(state=pb.PromptState(layer=l, conv=to_proto(export.conv[i]),
-                                                   recurrent=to_proto(export.recurrent[i])))
-    yield pb.PrefillEvent(logits=to_proto(export.logits))
+        yield pb.PrefillEvent(state=pb.PromptState(layer=l, conv=encode(export.conv[i]),
+                                                   recurrent=encode(export.recurrent[i])))
+
+
+class PendingTransfers:
+    """nccl: exports whose tensors wait for the caller's `Pull`, by transfer id. Entries
+    older than `ttl_s` are dropped whenever one is added (the caller went away)."""
+
+    def __init__(self, ttl_s: float, expired: Counter | None = None):
+        self.ttl_s, self.expired = ttl_s, expired
+        self._items: dict[int, tuple[float, str, list[torch.Tensor]]] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def put(self, peer: str, tensors: list[torch.Tensor]) -> int:
+        now = time.monotonic()
+        with self._lock:
+            for tid in [t for t, (at, _, _) in self._items.items() if now - at > self.ttl_s]:
+                del self._items[tid]
+                if self.expired is not None:
+                    self.expired.inc()
+            tid = next(self._ids)
+            self._items[tid] = (now, peer, tensors)
+            return tid
+
+    def pop(self, tid: int) -> tuple[str, list[torch.Tensor]] | None:
+        with self._lock:
+            item = self._items.pop(tid, None)
+        return None if item is None else item[1:]
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 # ---- server ---------------------------------------------------------------------------
 class PrefillServicer(pb_grpc.PrefillServicer):
+    """`nccl`: the replica's `NcclEndpoint` (links by caller name), for callers that ask
+    for their tensors over NCCL."""
+
+    TRANSFER_TTL_S = 120.0
+
     def __init__(self, loop: QueueDriver, name: str, service: PrefillService | None = None,
-                 registry=None):
-        self.loop, self.name, self.service = loop, name, service
+                 registry=None, nccl=None):
+        self.loop, self.name, self.service, self.nccl = loop, name, service, nccl
         self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
         self.prefills = 0
@@ -127,10 +171,16 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             "states to the attention service", registry=r, buckets=PREFILL_BUCKETS)
         self.prompt_tokens = Counter("splitstack_prefill_prompt_tokens_total",
                                      "Prompt tokens prefilled by this replica", registry=r)
+        self.transfers = PendingTransfers(self.TRANSFER_TTL_S, Counter(
+            "splitstack_prefill_transfers_expired_total", "nccl: prefilled prompts dropped "
+            "because their caller never pulled them", registry=r))
 
     def Prefill(self, request, context):
         start = time.perf_counter()
         ids = list(request.prompt_ids)
+        if request.nccl_peer and self.nccl is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"prefill replica {self.name} "
+                          "has no NCCL links (start it under --transport nccl)")
         try:
             params = prefill_params(request.options, len(ids), self.service)
             sub = self.loop.submit(ids, params)
@@ -150,8 +200,37 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.prompt_tokens.inc(len(ids))
         ready = time.perf_counter()
         self.request_seconds.observe(ready - start)
-        yield from export_events(out.export, self.cfg)
-        self.send_seconds.observe(time.perf_counter() - ready)
+        if request.nccl_peer:
+            from services.common.nccl_transport import meta
+
+            sent: list[torch.Tensor] = []
+            yield from export_events(out.export, self.cfg,
+                                     lambda t: (sent.append(t), meta(t))[1])
+            tid = self.transfers.put(request.nccl_peer, sent)
+            yield pb.PrefillEvent(transfer=pb.PrefillTransfer(id=tid, tensors=len(sent)))
+        else:
+            yield from export_events(out.export, self.cfg)
+            self.send_seconds.observe(time.perf_counter() - ready)
+        yield pb.PrefillEvent(logits=to_proto(out.export.logits))
+
+    def Pull(self, request, context):
+        """nccl: post the sends of transfer `request.transfer` on the caller's link."""
+        start = time.perf_counter()
+        item = self.transfers.pop(request.transfer)
+        if item is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no prefilled prompt {request.transfer} "
+                          f"on {self.name} (pulled already, or dropped after "
+                          f"{self.TRANSFER_TTL_S:.0f} s)")
+        peer, tensors = item
+        if peer != request.nccl_peer or len(tensors) != request.tensors:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"transfer {request.transfer} holds {len(tensors)} tensors for "
+                          f"{peer!r}, not {request.tensors} for {request.nccl_peer!r}")
+        link = self.nccl.link(peer)
+        for t in tensors:          # stream-ordered: posted now, delivered in this order
+            link.send(t)
+        self.send_seconds.observe(time.perf_counter() - start)
+        return pb.PullReply(tensors=len(tensors))
 
     def Stats(self, request, context):
         engine: LLMEngine = self.loop.engine
@@ -178,14 +257,15 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
 
 def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
-                  address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64):
+                  address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64,
+                  nccl=None):
     """Start the engine's step loop and a gRPC server for it (and for its prefix cache, if
     it has one); returns (server, bound address, loop). Each call in flight holds one
-    handler thread."""
+    handler thread. `nccl`: the replica's `NcclEndpoint`, for the nccl transport."""
     loop = QueueDriver(engine, f"{name}-steps")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=GRPC_OPTIONS)
-    pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry),
+    pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry, nccl),
                                           server)
     if engine.prefix is not None:
         pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
@@ -223,16 +303,25 @@ class PrefillClient:
     and the one holding the most of it is preferred, unless it has `MAX_SKEW` more calls in
     flight than the least loaded. A replica that cannot be reached, or dies mid-stream, is
     skipped and the prefill made again on the next one: a prefill holds no state.
-    Thread-safe."""
+    Thread-safe.
+
+    `links` (nccl transport): one `NcclLink` per replica, this side's end, and `peer` the
+    name the replicas know this side by; the KV and states then come over the link,
+    received on `device`."""
 
     MAX_SKEW = 4           # calls in flight a cache hit may cost over the least loaded
     PROBE_TIMEOUT_S = 0.5
 
     def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype,
-                 cache_aware: bool = False):
+                 cache_aware: bool = False, links: list | None = None, peer: str = "",
+                 device: str | torch.device = "cpu"):
         if not addresses:
             raise ValueError("a prefill client needs at least one prefill replica")
-        self.cfg, self.dtype = cfg, dtype
+        if links is not None and (len(links) != len(addresses) or not peer):
+            raise ValueError("nccl: give one link per prefill replica and this side's name")
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.links, self.peer = links, peer
+        self._link_locks = [threading.Lock() for _ in addresses]
         self.addresses = list(addresses)
         channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
         self.stubs = [pb_grpc.PrefillStub(c) for c in channels]
@@ -272,7 +361,8 @@ class PrefillClient:
 
     def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
                 cancel: CancelHandle | None = None) -> PromptExport:
-        request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options)
+        request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options,
+                                    nccl_peer=self.peer if self.links is not None else "")
         errors = []
         for i in self._order(prompt_ids):
             if cancel is not None and cancel.cancelled:
@@ -283,7 +373,7 @@ class PrefillClient:
                 call = self.stubs[i].Prefill(request)
                 if cancel is not None:
                     cancel.attach(call)
-                return self._receive(call, len(prompt_ids))
+                return self._receive(call, len(prompt_ids), i)
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.CANCELLED:
@@ -299,7 +389,7 @@ class PrefillClient:
                     self.inflight[i] -= 1
         raise PrefillFailed("no prefill replica is available (" + "; ".join(errors) + ")")
 
-    def _receive(self, call, n: int) -> PromptExport:
+    def _receive(self, call, n: int, replica: int = 0) -> PromptExport:
         cfg = self.cfg
         events = iter(call)
         first = next(events, None)
@@ -310,27 +400,54 @@ class PrefillClient:
             raise PrefillRefused(ack.error_field, ack.error)
         fa = {l: i for i, l in enumerate(cfg.full_attention_layers)}
         gdn = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
-        kv = torch.empty(len(fa), 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype)
+        dev = self.device
+        kv = torch.empty(len(fa), 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
+                         device=dev)
         conv = rec = None
         if gdn:
             conv = torch.empty(len(gdn), cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1,
-                               dtype=self.dtype)
+                               dtype=self.dtype, device=dev)
             rec = torch.empty(len(gdn), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim, dtype=torch.float32)
+                              cfg.linear_value_head_dim, dtype=torch.float32, device=dev)
+        # nccl: (destination, metadata) in event order, the bytes pulled at the end
+        parts: list[tuple[torch.Tensor, pb.Tensor]] = []
+
+        def take(dst: torch.Tensor, m: pb.Tensor) -> None:
+            if self.links is None:
+                dst.copy_(from_proto(m))
+            else:
+                parts.append((dst, m))
+        transfer = None
         seen = set()
         for ev in events:
             part = ev.WhichOneof("part")
             if part == "kv":
-                kv[fa[ev.kv.layer], 0] = from_proto(ev.kv.k)
-                kv[fa[ev.kv.layer], 1] = from_proto(ev.kv.v)
+                take(kv[fa[ev.kv.layer], 0], ev.kv.k)
+                take(kv[fa[ev.kv.layer], 1], ev.kv.v)
                 seen.add(ev.kv.layer)
             elif part == "state":
-                conv[gdn[ev.state.layer]] = from_proto(ev.state.conv)
-                rec[gdn[ev.state.layer]] = from_proto(ev.state.recurrent)
+                take(conv[gdn[ev.state.layer]], ev.state.conv)
+                take(rec[gdn[ev.state.layer]], ev.state.recurrent)
                 seen.add(ev.state.layer)
+            elif part == "transfer":
+                transfer = ev.transfer
             elif part == "logits":
                 if len(seen) != len(fa) + len(gdn):
                     raise PrefillFailed(f"the prefill stream missed layers "
                                         f"{sorted((set(fa) | set(gdn)) - seen)}")
+                if self.links is not None:
+                    if transfer is None or transfer.tensors != len(parts):
+                        raise PrefillFailed("the prefill stream did not announce its transfer")
+                    self._pull(replica, transfer.id, parts)
                 return PromptExport(kv, conv, rec, from_proto(ev.logits))
         raise PrefillFailed("the prefill stream ended before the logits")
+
+    def _pull(self, replica: int, transfer: int, parts) -> None:
+        """nccl: ask the replica to send transfer `transfer`, then receive its tensors in
+        order. One pull per link at a time, so concurrent prompts never interleave."""
+        link = self.links[replica]
+        with self._link_locks[replica]:
+            self.stubs[replica].Pull(pb.PullRequest(transfer=transfer, nccl_peer=self.peer,
+                                                    tensors=len(parts)))
+            for dst, m in parts:
+                dst.copy_(link.recv(m))

@@ -5,14 +5,19 @@ communicator is replaced by an in-process loopback with the same ordered `send` 
 (`LoopbackLink`), so the rest of the path runs for real on any machine: the metadata-only
 control messages over the real gRPC stream, the pool server receiving each tensor from the
 link in order, the reply's tensors coming back the same way, the `final` stage with its
-seeded generators, and the retry of a dead replica.
+seeded generators, and the retry of a dead replica. The prefill service's KV and states go
+over such a link too (its `Pull`), checked here the same way.
 """
 from __future__ import annotations
 
 import queue
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from models import load_model
 from services.attention.service import AttentionService
@@ -20,7 +25,16 @@ from services.attention.shard import KVShard
 from services.common.nccl_transport import NcclPoolStream, NcclTransport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
+from services.common.pb import splitstack_pb2 as pb
+from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.engine.build import EngineOptions, build_engine
 from services.mlp_pool.grpc_server import serve_pool
+from services.prefill.server import (PendingTransfers, PrefillClient, PrefillFailed,
+                                     serve_prefill)
+from tests.integration.test_prefill_service import PARAMS as PREFILL_PARAMS
+from tests.integration.test_prefill_service import attention as prefill_attention
+from tests.integration.test_prefill_service import no_leaks as no_prefill_leaks
+from tests.integration.test_prefill_service import prompts as prefill_prompts
 from tests.integration.test_qfirst_grpc import (PARAMS, generate_stopping_after_prefill,
                                                 prompts)
 
@@ -51,7 +65,7 @@ def link_pair() -> tuple[LoopbackLink, LoopbackLink]:
 
 
 class Endpoint:
-    """Stands in for `PoolNcclEndpoint`: the replica's links by peer name."""
+    """Stands in for `NcclEndpoint`: the replica's links by peer name."""
 
     def __init__(self, links: dict[str, LoopbackLink]):
         self.links = links
@@ -160,3 +174,124 @@ def test_nccl_protocol_dead_replica_is_retried(tiny_checkpoint, nccl_pools):
     service, _ = service_over(model, [st for _, st in pairs])
     got = generate_stopping_after_prefill(service, lambda: pairs[0][0].stop(0))
     assert got == ref and service.pool.retries > 0
+
+
+# ---- the prefill service's KV and states over the link --------------------------------
+class RecordingPrefillClient(PrefillClient):
+    """Keeps every event of the prefill streams, to check what crossed gRPC."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+
+    def _receive(self, call, n, replica=0):
+        events = list(call)
+        self.events += events
+        return super()._receive(iter(events), n, replica)
+
+
+@pytest.fixture
+def nccl_prefill():
+    """start(model, path, nccl=True) -> (address, engine, the caller's link end): a prefill
+    replica on loopback whose link to "attention-0" is a loopback pair."""
+    started = []
+
+    def start(model, path, nccl=True):
+        cache_end, replica_end = link_pair()
+        registry = CollectorRegistry()
+        engine, service = build_engine(model, path, EngineOptions(kv_cache_bytes=8 << 20),
+                                       registry)
+        server, address, loop = serve_prefill(
+            engine, service, registry, nccl=Endpoint({"attention-0": replica_end}) if nccl
+            else None)
+        started.append((server, loop))
+        return address, engine, cache_end, replica_end, registry
+
+    yield start
+    for server, loop in started:
+        server.stop(0)
+        loop.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_next"])
+def test_nccl_prefill_matches_exact_engine(family, tiny_checkpoint, nccl_prefill):
+    """Four prompts prefilled concurrently by one replica, their KV and GDN states pulled
+    over one link (one pull at a time, in the order the metadata came), then decoded by the
+    attention service: the exact engine's tokens and logits, and no tensor bytes on gRPC
+    except each prompt's logits."""
+    path, _ = tiny_checkpoint(family)
+    model = load_model(path)
+    cfg = model.config
+    batch = prefill_prompts(lengths=(7, 30, 12, 19, 25, 9))
+    ref = LLMEngine(model).generate(batch, PREFILL_PARAMS)
+    address, engine, cache_end, replica_end, _ = nccl_prefill(model, path)
+    client = RecordingPrefillClient([address], cfg, model.dtype, links=[cache_end],
+                                    peer="attention-0")
+    with ThreadPoolExecutor(len(batch)) as ex:
+        exports = list(ex.map(lambda p: client.prefill(p, pb.PrefillOptions()), batch))
+    service, shards = prefill_attention(model)
+    ids = [service.add_request(p, PREFILL_PARAMS, e) for p, e in zip(batch, exports)]
+    while service.has_unfinished():
+        service.step()
+    for i, s in zip(ids, ref):
+        r = service.pop(i)
+        assert r.output_ids == s.output_ids
+        assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
+    per_prompt = 2 * len(cfg.full_attention_layers) + 2 * len(cfg.linear_attention_layers)
+    assert replica_end.sent == cache_end.received == len(batch) * per_prompt
+    kinds = [ev.WhichOneof("part") for ev in client.events]
+    assert kinds.count("transfer") == kinds.count("logits") == len(batch)
+    for ev in client.events:
+        if ev.WhichOneof("part") in ("kv", "state"):
+            assert tensor_bytes(ev) == 0          # metadata only; the bytes took the link
+        elif ev.WhichOneof("part") == "logits":
+            assert len(ev.logits.data) == cfg.vocab_size * model.dtype.itemsize
+    no_prefill_leaks(shards, engine)
+
+
+def test_nccl_prefill_pull_is_checked(tiny_checkpoint, nccl_prefill):
+    """A pull for another count or another peer sends nothing and drops the transfer; a
+    transfer is pulled once; a replica without links refuses an nccl prefill."""
+    path, _ = tiny_checkpoint("qwen3_next")
+    model = load_model(path)
+    address, engine, cache_end, replica_end, _ = nccl_prefill(model, path)
+    stub = pb_grpc.PrefillStub(grpc.insecure_channel(address))
+    req = pb.PrefillRequest(prompt_ids=prefill_prompts()[0], nccl_peer="attention-0")
+    transfers = [ev.transfer for ev in stub.Prefill(req) if ev.WhichOneof("part") == "transfer"]
+    assert len(transfers) == 1 and transfers[0].tensors > 0
+    t = transfers[0]
+    for pull in (pb.PullRequest(transfer=t.id, nccl_peer="attention-0", tensors=t.tensors + 1),
+                 pb.PullRequest(transfer=t.id, nccl_peer="attention-0", tensors=t.tensors)):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Pull(pull)
+        assert err.value.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.NOT_FOUND)
+    assert replica_end.sent == 0
+    # the full round trip on a fresh prompt, then a second pull of it finds nothing
+    t = [ev.transfer for ev in stub.Prefill(req) if ev.WhichOneof("part") == "transfer"][0]
+    ok = pb.PullRequest(transfer=t.id, nccl_peer="attention-0", tensors=t.tensors)
+    assert stub.Pull(ok).tensors == t.tensors == replica_end.sent
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Pull(ok)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    no_prefill_leaks([], engine)
+
+    plain, _, _, _, _ = nccl_prefill(model, path, nccl=False)
+    client = PrefillClient([plain], model.config, model.dtype, links=[cache_end],
+                           peer="attention-0")
+    with pytest.raises(PrefillFailed, match="no NCCL links"):
+        client.prefill(prefill_prompts()[0], pb.PrefillOptions())
+
+
+def test_pending_transfers_expire():
+    from prometheus_client import Counter
+
+    expired = Counter("expired_total", "", registry=CollectorRegistry())
+    table = PendingTransfers(ttl_s=0.0, expired=expired)
+    first = table.put("attention-0", [torch.zeros(2)])
+    time.sleep(0.01)
+    second = table.put("attention-0", [torch.ones(2)])   # drops the first, now too old
+    assert table.pop(first) is None and len(table) == 1
+    peer, tensors = table.pop(second)
+    assert peer == "attention-0" and torch.equal(tensors[0], torch.ones(2))
+    assert expired._value.get() == 1 and len(table) == 0
