@@ -12,7 +12,7 @@ measured speedup over that bound. Maps are calibrated first on a few random-toke
 
     python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
                                    [--tail 512] [--reps 5] [--context-rows 0]
-                                   [--selector none --budget 0.1]
+                                   [--selector none --budget 0.1] [--device cuda --dtype bfloat16]
 
 `--context-rows c` calibrates maps that also read the c previous rows' split states (the
 map's input grows from d to d·(1+c) features; c = 0 is the paper's map). `--selector probe
@@ -40,19 +40,25 @@ from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
 
 
 def timed(fn) -> float:
+    """Wall time of fn(), its CUDA work included (the first token's logits are on the
+    host only once the device is done)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
 def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Path,
-                 context_rows: int = 0, selector: str = "none", budget: float = 0.1
-                 ) -> list[dict]:
+                 context_rows: int = 0, selector: str = "none", budget: float = 0.1,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[dict]:
     cfg = dict(load_configs("bench")[family])
     cfg["max_position_embeddings"] = max(lengths) * 2
     path = tmp / family
     save_random_checkpoint(cfg, path, seed=0, std=0.02)
-    model = load_model(path)
+    model = load_model(path, dtype=dtype, device=device)
     L = model.config.num_hidden_layers
     split = L // 2
     g = torch.Generator().manual_seed(0)
@@ -105,6 +111,8 @@ def main() -> int:
                     help="previous rows the maps also read (0: the paper's map)")
     ap.add_argument("--selector", default="none", help="exact-row selector of the fill arm")
     ap.add_argument("--budget", type=float, default=0.1, help="the selector's share of the prefix")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -112,9 +120,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families.split(","):
             rows += bench_family(family, lengths, args.tail, args.reps, Path(tmp),
-                                 args.context_rows, args.selector, args.budget)
+                                 args.context_rows, args.selector, args.budget, args.device,
+                                 getattr(torch, args.dtype))
     if args.selector != "none":
         print(f"\nfill arm: selector {args.selector}, budget {args.budget}")
+    if args.device != "cpu":
+        print(f"\ndevice {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}"
+              f", {args.dtype}")
     print("\n| config | N | S/L | T | context rows | exact (s) | RidgeFill (s) | speedup | "
           "bound 1/r | share of bound | streamed maps (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
