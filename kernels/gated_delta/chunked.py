@@ -60,8 +60,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         """Rows [r0, r1) of x [B, T, H / rep, *] -> [m, B·H, C, *] in fp32, zero padded
         (may be a view of x: never written in place)."""
         x = x[:, r0:r1].to(acc)
-        if rep > 1:
-            x = x.repeat_interleave(rep, dim=2)
+        if rep > 1:         # = repeat_interleave(rep, dim=2), without its device sync on CUDA
+            x = x[:, :, :, None].expand(*x.shape[:3], rep, *x.shape[3:]).flatten(2, 3)
         if r1 - r0 < m * c:
             x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, m * c - (r1 - r0)))
         return x.reshape(b, m, c, h, -1).permute(1, 0, 3, 2, 4).reshape(m, b * h, c, -1)
@@ -89,11 +89,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
         u, w = uw[..., :dv].contiguous(), uw[..., dv:].contiguous()
         wb = [i for i in range(m) if want[c0 + i]]       # chunks of this block with outputs
         if wb:
-            qq = chunks(q, r0, r1, m, r)[wb]
+            # a run of chunks (all of them, or the tail's) is a slice: indexing a CUDA
+            # tensor with a list would copy the list to the device and wait for it
+            sel = (slice(wb[0], wb[-1] + 1) if wb[-1] - wb[0] + 1 == len(wb)
+                   else torch.tensor(wb, device=k.device))
+            qq = chunks(q, r0, r1, m, r)[sel]
             if use_qk_l2norm:
                 qq = l2norm(qq)
-            qk = mul(mul(qq @ kk[wb].transpose(-1, -2), decay[wb]), scale)
-            q_decay = mul(mul(qq, eg[wb]), scale)
+            qk = mul(mul(qq @ kk[sel].transpose(-1, -2), decay[sel]), scale)
+            q_decay = mul(qq * eg[sel], scale)        # qq may be a view of q: not in place
             ob = [] if grad else k.new_empty(len(wb), b * h, c, dv, dtype=acc)
         k_decay_t = (kk * (gamma[..., -1:] - gamma).exp().to(acc)[..., None]) \
             .transpose(-1, -2).contiguous()                                    # [m, BH, Dk, C]
