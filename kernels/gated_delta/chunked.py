@@ -25,17 +25,22 @@ import torch.nn.functional as F
 from kernels.gated_delta.naive import l2norm
 
 BLOCK_CHUNKS = 8     # chunks per block: 1 thread is fastest at 4, 2 threads at 16 (16K tokens)
+# on CUDA the block's work is small for the device and its ~40 launches are not: far bigger
+# blocks there (the C×C matrices of 64 chunks of 8 heads are a few MB)
+CUDA_BLOCK_CHUNKS = 64
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale=None,
                            use_qk_l2norm: bool = True, chunk_size: int = 64,
                            out_rows: torch.Tensor | None = None,
-                           block_chunks: int = BLOCK_CHUNKS):
+                           block_chunks: int | None = None):
     """Same contract as `recurrent_gated_delta_rule`, except that q and k may also come with
     fewer heads than v (grouped: [B, T, HK, Dk], HK dividing HV; each key head serves HV/HK
     consecutive value heads), repeated here a block at a time. `out_rows` [T] bool: the rows
     whose output is wanted (None: all); chunks holding none of them only advance the state
     and their output rows are left zero (RidgeFill's filled rows need the state, not O)."""
+    if block_chunks is None:
+        block_chunks = CUDA_BLOCK_CHUNKS if k.is_cuda else BLOCK_CHUNKS
     acc = torch.promote_types(q.dtype, torch.float32)          # fp32, or fp64 for fp64 inputs
     b, t, h, dv = v.shape
     dk = k.shape[-1]

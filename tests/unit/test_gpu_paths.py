@@ -80,8 +80,8 @@ def test_ridgefill_on_cuda_matches_cpu(family, four_layer, tiny_checkpoint):  # 
     assert torch.equal(seq.logits[0], res.logits[0])
 
 
-@pytest.mark.parametrize("t", [1, 100, 1100])
-def test_chunked_delta_rule_on_cuda(t):
+@pytest.mark.parametrize("t,blocks", [(1, None), (100, None), (1100, None), (1100, 4)])
+def test_chunked_delta_rule_on_cuda(t, blocks):
     g = torch.Generator().manual_seed(t)
     q, k = torch.randn(2, t, 2, 16, generator=g), torch.randn(2, t, 2, 16, generator=g)
     v = torch.randn(2, t, 4, 24, generator=g)
@@ -92,8 +92,9 @@ def test_chunked_delta_rule_on_cuda(t):
                                               k.repeat_interleave(2, 2), v, decay, beta, s0)
     want = torch.zeros(t, dtype=torch.bool)
     want[-1] = True
-    o, s = chunk_gated_delta_rule(*(x.cuda() for x in (q, k, v, decay, beta, s0)))
+    o, s = chunk_gated_delta_rule(*(x.cuda() for x in (q, k, v, decay, beta, s0)),
+                                  block_chunks=blocks)
     o2, s2 = chunk_gated_delta_rule(*(x.cuda() for x in (q, k, v, decay, beta, s0)),
-                                    out_rows=want.cuda())
+                                    out_rows=want.cuda(), block_chunks=blocks)
     assert o.is_cuda and rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
     assert torch.equal(s2, s) and rel(o2[:, -1], o_ref[:, -1]) < 1e-5
