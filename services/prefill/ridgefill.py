@@ -149,6 +149,7 @@ class RidgeFill:
         self.unigram, self.token_class = unigram, token_class
         self.attn = get_backend(attention_backend, model.device)
         self.L = model.config.num_hidden_layers
+        self.reuse_probe_fills = True     # the probe's filled-row K/V and GDN inputs (below)
 
     # ---- checks ----------------------------------------------------------------------
     def check(self, s: FillSettings, n: int) -> None:
@@ -205,7 +206,8 @@ class RidgeFill:
             res.exact_rows = positions
             return res
         # 2. pick the exact prefix rows
-        selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv)
+        memo = _FillMemo() if s.selector == "probe" and self.reuse_probe_fills else None
+        selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv, memo)
         sink = s.sink_rows
         if s.fill == "ridge" and self.maps is not None:
             sink = max(sink, self.maps.sink_rows)     # rows the maps were never fitted on
@@ -218,7 +220,7 @@ class RidgeFill:
         # 3. upper layers: exact rows run, filled rows get their KV / GDN update from x̂_l
         xe, he = x[exact], (h[exact] if h is not None else None)
         xe, _ = self._upper(s, x, xe, he, exact, filled, p, res, exact_kv,
-                            record_state_at=record_state_at)
+                            record_state_at=record_state_at, memo=memo)
         res.logits = m.final(xe[-n_logits:]).float()
         res.exact_rows, res.num_filled = exact, int(filled.numel())
         return res
@@ -287,8 +289,9 @@ class RidgeFill:
         return torch.addmm(b, feats, a.T)
 
     def _upper(self, s, x_split, xe, he, exact, filled, p, res, exact_kv, *,
-               record_state_at=None, collect=None):
-        """Layers S..L−1. Returns (x of the exact rows after the last layer, h)."""
+               record_state_at=None, collect=None, memo=None):
+        """Layers S..L−1. Returns (x of the exact rows after the last layer, h). `memo`: a
+        `_FillMemo` that the probe's sweep records and the second sweep reads."""
         m = self.model
         n = x_split.shape[0]
         pos_e = exact
@@ -309,8 +312,8 @@ class RidgeFill:
                         k[filled], v[filled] = 0, 0
                         valid[filled] = False
                     else:
-                        xhat = self._fill_input(s, l, feats_f)
-                        kf, vf = m.attn_key_value(l, m.norm_in(l, xhat), filled)
+                        kf, vf = _memo_get(memo, l, filled, lambda: m.attn_key_value(
+                            l, m.norm_in(l, self._fill_input(s, l, feats_f)), filled))
                         if l > s.split and (nv or nk) and tail_rows.numel():
                             # per-KV-head magnitude ratios exact / predicted on the first
                             # c tail rows, once per distinct c: {c: (key scale, value scale)}
@@ -333,7 +336,8 @@ class RidgeFill:
                 o = self._attend(a.q, k, v, mask, pos_e)
                 he = m.attn_output(l, xe, o, a.gate)
             else:
-                he = self._upper_gdn(s, l, xe, feats_f, exact, filled, p, res, record_state_at)
+                he = self._upper_gdn(s, l, xe, feats_f, exact, filled, p, res, record_state_at,
+                                     memo)
             xe = m.mlp(l, he)
         return xe, he
 
@@ -351,7 +355,7 @@ class RidgeFill:
             outs.append(o[0])
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _upper_gdn(self, s, l, xe, feats_f, exact, filled, p, res, record_state_at):
+    def _upper_gdn(self, s, l, xe, feats_f, exact, filled, p, res, record_state_at, memo=None):
         m = self.model
         inp_e = m.gdn_inputs(l, xe)
         use_filled = bool(filled.numel()) and s.fill != "none"
@@ -362,7 +366,8 @@ class RidgeFill:
         dest[order] = torch.arange(order.numel(), device=order.device)
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
-            inp_f = m.gdn_inputs(l, self._fill_input(s, l, feats_f), with_z=False)
+            inp_f = _memo_get(memo, l, filled, lambda: m.gdn_inputs(
+                l, self._fill_input(s, l, feats_f), with_z=False))
             seq = GDNInputs(*(None if te is None else _interleave(te, tf, exact, filled, dest)
                               for te, tf in zip((inp_e.mixed, None, inp_e.b, inp_e.a),
                                                 (inp_f.mixed, None, inp_f.b, inp_f.a))))
@@ -403,7 +408,8 @@ class RidgeFill:
         return ratio(k_exact_rows[idx], k_pred), ratio(v_exact_rows[idx], v_pred)
 
     # ---- selectors -------------------------------------------------------------------
-    def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv) -> torch.Tensor:
+    def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv, memo=None
+                ) -> torch.Tensor:
         budget = s.budget_rows(p)
         dev = ids.device
         empty = torch.zeros(0, dtype=torch.long, device=dev)
@@ -417,7 +423,7 @@ class RidgeFill:
         elif s.selector == "protected":
             return self._protected(ids[:p], budget)
         else:                                                       # probe (two sweeps)
-            scores = self._probe(s, x_split, positions, p, exact_kv)
+            scores = self._probe(s, x_split, positions, p, exact_kv, memo)
         return torch.topk(scores, min(budget, p)).indices.sort().values
 
     def _protected(self, prefix_ids: torch.Tensor, budget: int) -> torch.Tensor:
@@ -438,22 +444,53 @@ class RidgeFill:
             rows = rows[torch.topk(-freq[rows], budget).indices]
         return rows.sort().values
 
-    def _probe(self, s, x_split, positions, p, exact_kv) -> torch.Tensor:
+    def _probe(self, s, x_split, positions, p, exact_kv, memo=None) -> torch.Tensor:
         """Sweep 1: the last `probe_rows` rows run the exact upper layers over the fully
         filled prefix (GDN from an empty state); rank prefix rows by the attention they
-        receive."""
+        receive. With `memo`, the filled rows' K/V and GDN inputs are kept for sweep 2."""
         n = x_split.shape[0]
         rows = positions[max(0, n - s.probe_rows):]
-        prefix_only = positions[:min(p, rows[0].item())]
+        # every row before the probe's is filled in this sweep, tail rows included (with
+        # fewer probe rows than tail rows, rows p..n−probe_rows are neither prefix nor probe)
+        before = positions[:int(rows[0])]
         scores = torch.zeros(n, device=x_split.device)
 
         def collect(l, q, k, mask):
             scores.add_(_attention_received(q, k, mask))
 
         scratch = PrefillResult({}, {}, {})
-        self._upper(s, x_split, x_split[rows], None, rows, prefix_only, p, scratch, exact_kv,
-                    collect=collect)
+        self._upper(s, x_split, x_split[rows], None, rows, before, p, scratch, exact_kv,
+                    collect=collect, memo=memo)
+        if memo is not None:
+            memo.recording = False
         return scores[:p]
+
+
+class _FillMemo:
+    """The probe sweep's filled-row projections per upper layer: K/V for attention layers,
+    GDN inputs for Gated DeltaNet layers, of rows 0..r−1 (the probe fills every prefix row
+    before its own). Both sweeps fill from the same x_S, so the second sweep takes its
+    filled rows (a subset, when all lie below r) from here instead of recomputing the
+    map and projections."""
+
+    def __init__(self):
+        self.layers: dict[int, tuple] = {}
+        self.recording = True
+
+
+def _memo_get(memo: _FillMemo | None, l: int, filled: torch.Tensor, compute):
+    """compute() -> a tuple of [len(filled), ...] tensors (or None entries) for the sorted
+    `filled` rows; recorded while the probe runs, then indexed where it covers them."""
+    if memo is None:
+        return compute()
+    if memo.recording:
+        memo.layers[l] = out = compute()
+        return out
+    hit = memo.layers.get(l)
+    if hit is None or (filled.numel() and int(filled[-1]) >= hit[0].shape[0]):
+        return compute()
+    rows = [None if t is None else t[filled] for t in hit]
+    return type(hit)(*rows) if isinstance(hit, GDNInputs) else tuple(rows)
 
 
 class _Scorer:

@@ -157,6 +157,46 @@ def test_selectors_pick_budgeted_prefix_rows(four_layer):
     assert other.exact_rows.tolist() != again.exact_rows.tolist()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("tail,probe_rows", [(40, 32), (20, 64)])
+def test_probe_reuses_its_filled_rows_in_the_second_sweep(four_layer, family, tail,
+                                                          probe_rows):
+    """The probe's sweep fills every prefix row before its own; the second sweep takes its
+    filled rows' K/V and GDN inputs from it instead of recomputing them: the same rows,
+    KV, states and logits as recomputing (fp32 rounding of a different batch size). With
+    more probe rows than tail rows some filled rows lie past the probe's fill and are
+    computed afresh. With fewer, the tail rows before the probe's are filled in its sweep
+    (they once held uninitialised keys there, and the probe picked different rows each
+    call: the two prefills below would not pick the same rows)."""
+    model, maps_dir = four_layer(family)
+    ids = prompt(200, seed=7)
+    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 2))
+    s = FillSettings(split=2, tail=tail, selector="probe", budget=0.2, probe_rows=probe_rows)
+    calls = []
+    real = rf._fill_input
+
+    def counting(s_, l, feats):
+        calls.append(l)
+        return real(s_, l, feats)
+    rf._fill_input = counting
+    got = rf.prefill(ids, s)
+    reused = list(calls)
+    rf.reuse_probe_fills = False
+    calls.clear()
+    ref = rf.prefill(ids, s)
+    assert torch.equal(got.exact_rows, ref.exact_rows) and got.num_filled == ref.num_filled
+    for l in ref.k:
+        assert torch.allclose(got.k[l], ref.k[l], atol=1e-5)
+        assert torch.allclose(got.v[l], ref.v[l], atol=1e-5)
+    for l in ref.recurrent:
+        assert torch.allclose(got.recurrent[l], ref.recurrent[l], atol=1e-5)
+    assert torch.allclose(got.logits, ref.logits, atol=1e-4)
+    # recomputing maps the filled rows of every upper layer in both sweeps
+    upper = list(range(2, model.config.num_hidden_layers))
+    assert calls == upper + upper
+    assert reused == (upper if probe_rows <= tail else upper + upper)
+
+
 def test_protected_selector_takes_the_rarest_of_each_class(four_layer):
     model, _ = four_layer("qwen3")
     ids = [5] * 40 + [7] * 40 + [9] * 20 + [11] * 20 + list(range(100, 120))
