@@ -117,3 +117,23 @@ def test_layer_types_keep_every_fourth_layer_at_the_phase():
         [3, 7, 11, 15, 19, 23, 27]
     with pytest.raises(ValueError):
         layer_types(30, 4)
+
+
+def test_distillation_steps_run_and_train(tmp_path):
+    """`derive hybrid` trains through the chunked delta rule: two logit steps continued
+    from the zoo's delta (one retrieval item, short windows) run, write a delta that
+    records them, and move the trained tensors."""
+    from safetensors.torch import load_file
+
+    from models.zoo.derive_hybrid import derive_hybrid
+
+    delta = tmp_path / "delta.safetensors"
+    recipe = derive_hybrid(PARENT, tmp_path / "out", init_delta=DELTA, steps=2, seq_len=64,
+                           needle_frac=0.5, needle_len=160, kl_lr=1e-3, seed=5,
+                           delta_path=delta, log=lambda *_: None)
+    assert recipe["steps"] == 2 and recipe["continued_from"] is not None
+    before, after = load_file(DELTA), load_file(delta)
+    assert before.keys() == after.keys()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert load_model(tmp_path / "out").config.layer_types == \
+        load_model(HYBRID).config.layer_types
