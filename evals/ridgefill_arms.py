@@ -29,15 +29,30 @@ from services.prefill.maps import RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
 
 
-def map_cost_ratio(model: CausalLM, context_rows: int = 0) -> float:
-    """Multiply-adds of one filled row in one upper layer (map + norm + K/V projections)
-    over one exact row in one layer (projections + feed-forward), attention excluded. The
-    map reads d·(1 + context_rows) inputs."""
+def map_cost_ratio(model: CausalLM, context_rows: int = 0, split: int | None = None) -> float:
+    """Multiply-adds of one filled row in an upper layer (mean over layers `split`..L−1,
+    all layers if None) over those of one exact row in a mean layer, attention excluded.
+
+    A filled row costs the map (d·(1 + context_rows) inputs) and its layer's norm plus
+    K/V projections; in a Gated DeltaNet layer, its input projection (q, k, v, β, decay)
+    and its state update instead. An exact row costs every projection and the
+    feed-forward (and a GDN layer's state update and output)."""
     c = model.config
     d, qd, kvd = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     ffn = 3 * d * (c.intermediate_size or c.moe_intermediate_size or d)
-    layer = d * (2 * qd + 2 * kvd) + ffn
-    return (d * d * (1 + context_rows) + 2 * d * kvd) / layer
+    fill_map = d * d * (1 + context_rows)
+    fill, exact = [], []
+    for l in range(c.num_hidden_layers):
+        if l in c.linear_attention_layers:
+            hv, state = c.linear_num_value_heads, c.linear_key_head_dim * c.linear_value_head_dim
+            proj = d * (c.gdn_conv_dim + 2 * hv)
+            fill.append(fill_map + proj + 2 * hv * state)
+            exact.append(proj + 2 * d * c.gdn_value_dim + 4 * hv * state + ffn)
+        else:
+            fill.append(fill_map + 2 * d * kvd)
+            exact.append(d * (2 * qd + 2 * kvd) + ffn)
+    upper = fill[split or 0:]
+    return (sum(upper) / len(upper)) / (sum(exact) / len(exact))
 
 
 @torch.inference_mode()
@@ -95,8 +110,8 @@ class FillArm(Arm):
         settings.setdefault("sink_rows", sink)
         # no fill + longer tail: the tail is widened per prompt in `_settings`, to the cost
         # of the maps at hand
-        self.longtail_ratio = (map_cost_ratio(model, context) if settings.pop("longtail", False)
-                               else None)
+        self.longtail_ratio = (map_cost_ratio(model, context, split)
+                               if settings.pop("longtail", False) else None)
         self.settings = FillSettings(**settings)
         needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
         maps = RidgeMaps(maps_dir, model, split) if needs_maps else None

@@ -197,6 +197,25 @@ def test_probe_reuses_its_filled_rows_in_the_second_sweep(four_layer, family, ta
     assert reused == (upper if probe_rows <= tail else upper + upper)
 
 
+def test_longtail_control_pays_for_gated_deltanet_fills(four_layer):
+    """A filled row in a GDN layer costs its input projection and state update, not only
+    K/V: the equal-cost longer tail grows with the GDN share of the upper layers; on a
+    dense model the split does not matter."""
+    dense, _ = four_layer("llama3")
+    assert map_cost_ratio(dense, split=1) == pytest.approx(map_cost_ratio(dense))
+    hybrid, _ = four_layer("qwen3_5")
+    c = hybrid.config
+    assert c.linear_attention_layers == [0, 1, 2] and c.full_attention_layers == [3]
+    only_fa, with_gdn = map_cost_ratio(hybrid, split=3), map_cost_ratio(hybrid, split=2)
+    d = c.hidden_size
+    fa_fill = d * d + 2 * d * c.num_key_value_heads * c.head_dim
+    gdn_fill = (d * d + d * (c.gdn_conv_dim + 2 * c.linear_num_value_heads)
+                + 2 * c.linear_num_value_heads * c.linear_key_head_dim
+                * c.linear_value_head_dim)
+    assert with_gdn / only_fa == pytest.approx((fa_fill + gdn_fill) / 2 / fa_fill)
+    assert with_gdn > only_fa
+
+
 def test_protected_selector_takes_the_rarest_of_each_class(four_layer):
     model, _ = four_layer("qwen3")
     ids = [5] * 40 + [7] * 40 + [9] * 20 + [11] * 20 + list(range(100, 120))
