@@ -83,6 +83,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="max_prefill_chunk")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the KV copy then "
+                        "overlaps the replay on a side stream when overlap is on)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     prefixes = [int(p) for p in args.prefixes.split(",")]
@@ -93,7 +95,7 @@ def main() -> None:
                max_position_embeddings=max(4096, 1 << (longest - 1).bit_length()))
     tmp = Path(tempfile.mkdtemp())
     save_random_checkpoint(cfg, tmp, seed=0, std=0.02)
-    model = load_model(tmp)
+    model = load_model(tmp, device=args.device)
     shutil.rmtree(tmp, ignore_errors=True)
     engine_cfg = EngineConfig(block_size=16, num_blocks=2 * (-(-longest // 16)), max_num_seqs=2,
                               max_prefill_chunk=args.chunk, max_num_batched_tokens=args.chunk)
@@ -114,8 +116,10 @@ def main() -> None:
         return statistics.median(ttft_s(engine, prefix + rand(args.suffix))
                                  for _ in range(args.reps))
 
+    where = (torch.cuda.get_device_name() if args.device == "cuda"
+             else f"{args.threads} torch threads")
     print(f"Qwen3.5 bench config (random fp32), suffix {args.suffix} tokens, median of "
-          f"{args.reps}, {args.threads} torch threads, prefill chunk {args.chunk}", flush=True)
+          f"{args.reps}, {where}, prefill chunk {args.chunk}", flush=True)
     print("| prefix | arm | r | overlap | FFN skip | TTFT ms | speedup vs full | replay ms "
           "| KV copy ms |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)

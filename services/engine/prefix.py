@@ -179,7 +179,9 @@ class PrefixReuse:
         n = len(seq.prompt_ids)
         slots = self.storage.token_slots(seq.block_table, n)
         kv = self.storage.read_rows(slots).cpu()                               # [F, 2, n, KV, D]
-        hidden = torch.cat(rows, dim=1).cpu() if self.hidden_layers else None   # [G, n, H]
+        # a hit's cached rows come from the cache (host memory), the rest from the device
+        hidden = (torch.cat([r.cpu() for r in rows], dim=1)                     # [G, n, H]
+                  if self.hidden_layers else None)
         provenance = torch.zeros(n, dtype=torch.uint8)
         self._inserts.append(self._writer.submit(self.cache.insert, list(seq.prompt_ids), kv,
                                                  hidden, provenance))

@@ -98,3 +98,35 @@ def test_chunked_delta_rule_on_cuda(t, blocks):
                                     out_rows=want.cuda(), block_chunks=blocks)
     assert o.is_cuda and rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
     assert torch.equal(s2, s) and rel(o2[:, -1], o_ref[:, -1]) < 1e-5
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tail_replay_hit_on_cuda(overlap, tiny_checkpoint):
+    """A hybrid's prefix-cache hit on CUDA (the KV copy on a side stream when overlapping):
+    full replay gives the no-cache logits, and the hit's own prompt is stored too (its
+    cached rows come from host memory, its new rows from the device)."""
+    from prometheus_client import CollectorRegistry
+
+    from services.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheMetrics
+
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path, device="cuda")
+    cache = PrefixCache(PrefixCacheConfig(namespace="tiny", block_size=16),
+                        PrefixCacheMetrics(CollectorRegistry()))
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_prefill_chunk=32)
+    engine = LLMEngine(model, cfg, prefix_cache=cache, replay_ratio=1.0,
+                       replay_overlap=overlap)
+    P = prompt(120, seed=1)
+    one = GenerationParams(max_tokens=1, ignore_eos=True)
+    greedy = GenerationParams(max_tokens=4, ignore_eos=True, return_logits=True)
+    engine.generate([P[:77]], one)
+    got = engine.generate([P], greedy)[0]
+    engine.prefix.drain()
+    hits = cache.metrics.registry.get_sample_value("splitstack_prefix_cache_hit_tokens_total",
+                                                   {"tier": "memory"})
+    assert hits == 77
+    ref = LLMEngine(model, EngineConfig(block_size=16, num_blocks=64)).generate([P], greedy)[0]
+    assert got.output_ids == ref.output_ids
+    assert (torch.stack(got.logits) - torch.stack(ref.logits)).abs().max().item() <= 1e-4
+    with cache.lookup(P + [0]) as hit:            # the hit's prompt was stored in full
+        assert hit.length == 120
