@@ -25,6 +25,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
+from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
 
@@ -99,11 +100,13 @@ class FillArm(Arm):
     base: dict = {}
 
     def __init__(self, model: CausalLM, *, maps_dir=None, split=None, tail=256, budget=0.1,
-                 **options):
+                 lexicon: Lexicon | None = None, lexical: float | None = None, **options):
         super().__init__(model, **options)
         L = model.config.num_hidden_layers
         split = split or L // 2
         settings = {"split": split, "tail": tail, "budget": budget, **self.base}
+        if lexical is not None:
+            settings["lexical"] = lexical
         sink, context = RidgeMaps.layout_of(maps_dir, split) if maps_dir is not None else (0, 0)
         # every arm (identity and no fill too) keeps the rows the maps were calibrated
         # without exact, so paired differences compare like rows
@@ -118,7 +121,7 @@ class FillArm(Arm):
         unigram = token_class = None
         if self.settings.selector == "protected":
             unigram, token_class = load_unigram(maps_dir, model)
-        self.fill = RidgeFill(model, maps, unigram, token_class)
+        self.fill = RidgeFill(model, maps, unigram, token_class, lexicon=lexicon)
 
     def _settings(self, n: int) -> FillSettings:
         s = self.settings

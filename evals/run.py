@@ -20,6 +20,7 @@ from evals.corpus import SOURCE_NAME, documents, haystack_text
 from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
                            paired_difference, token_losses)
 from evals.tasks import TASKS, make_items
+from services.prefill.lexicon import Lexicon
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,10 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=dtype)
+    # the probe arms' lexical net reads the tokenizer's pieces
     options = {"tail": cfg.tail_len, **(arm_options or {})}
+    if any(name.endswith("+probe") for name in arm_names):
+        options.setdefault("lexicon", Lexicon.from_tokenizer(tokenizer, model.config.vocab_size))
     arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
                 for name in arm_names}
     exact = arm_objs.get("exact") or arms_mod.make_arm("exact", model)

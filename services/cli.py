@@ -79,7 +79,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                      chat=args.chat)
     start = time.perf_counter()
     options = {k: v for k, v in (("maps_dir", args.maps), ("split", args.split),
-                                 ("budget", args.budget)) if v is not None}
+                                 ("budget", args.budget), ("lexical", args.lexical))
+               if v is not None}
     summary = run_eval(args.model, args.arms.split(","), cfg, DTYPES[args.dtype],
                        log=lambda m: print(m, file=sys.stderr, flush=True),
                        arm_options=options)
@@ -211,7 +212,8 @@ def _engine_options(args: argparse.Namespace):
                             resident=not args.maps_streamed, split=args.split, tail=args.tail,
                             selector=args.selector, budget=args.budget,
                             value_rescale=args.value_rescale, key_rescale=args.key_rescale,
-                            terminal_correction=args.terminal_correction)
+                            terminal_correction=args.terminal_correction,
+                            lexical=args.lexical)
     if not args.prefix_cache and (args.redis_url or args.reuse_filled):
         raise ValueError("--redis-url and --reuse-filled need --prefix-cache")
     return EngineOptions(max_num_seqs=args.max_num_seqs,
@@ -324,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--maps", help="RidgeFill maps directory (for the fill arms)")
     ev.add_argument("--split", type=int, help="RidgeFill split S (default: half depth)")
     ev.add_argument("--budget", type=float, help="selectors' share of prefix rows (0.1)")
+    ev.add_argument("--lexical", type=float,
+                    help="probe arms: the lexical net's share of prefix rows (0.05)")
     ev.set_defaults(func=cmd_eval)
 
     cal = sub.add_parser("calibrate", help="fit RidgeFill maps (streamed ridge regression)")
@@ -448,6 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--key-rescale", type=int, default=0,
                     help="c tail rows measuring a key magnitude scale (0: off)")
     rf.add_argument("--terminal-correction", action="store_true")
+    rf.add_argument("--lexical", type=float, default=0.05,
+                    help="probe selector: share of prefix rows reserved within the budget "
+                         "for the lexical net's sentences (0: attention ranking alone)")
     pc = srv.add_argument_group("prefix cache (Tail-Replay; requests may override: "
                                 "replay_ratio)")
     pc.add_argument("--prefix-cache", action="store_true",

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.model import CausalLM
-from services.common.tokenizer import eos_token_ids
+from services.common.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from services.engine.engine import EngineConfig, LLMEngine
+from services.prefill.lexicon import Lexicon
 from services.prefill.maps import model_fingerprint
 from services.prefill.metrics import PrefillMetrics
 from services.prefill.service import PrefillConfig, PrefillService
@@ -44,7 +45,9 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
     see them."""
     service = None
     if options.ridgefill:
-        service = PrefillService(model, options.prefill, PrefillMetrics(registry))
+        lexicon = (Lexicon.from_tokenizer(load_tokenizer(model_dir), model.config.vocab_size)
+                   if has_tokenizer(model_dir) else None)
+        service = PrefillService(model, options.prefill, PrefillMetrics(registry), lexicon)
     cache = None
     if options.prefix_cache_bytes is not None:
         config = PrefixCacheConfig(namespace=f"{model_fingerprint(model)}:{model.dtype}",

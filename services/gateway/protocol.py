@@ -41,7 +41,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
     # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
-    #   seed, sink_rows})
+    #   seed, sink_rows, lexical})
     prefill_mode: str | None = None
     ridgefill: dict | None = None
     # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states

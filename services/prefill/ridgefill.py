@@ -25,6 +25,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
+from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, context_features
 
 FILLS = ("ridge", "identity", "none")
@@ -53,6 +54,8 @@ class FillSettings:
                                  # a ridge fill also keeps those its maps were fitted without)
     query_rows: int = 64         # attention / question-blind selectors' query rows
     probe_rows: int = 256        # probe selector's rows
+    lexical: float = 0.05        # probe: share of prefix rows reserved within the budget for
+                                 # the lexical net's sentences (seed 000's 27B probe: 5%)
 
     def validate(self, num_layers: int) -> None:
         if not isinstance(self.split, int) or not 1 <= self.split <= num_layers:
@@ -81,6 +84,8 @@ class FillSettings:
             raise FillError(f"sink_rows must be an integer ≥ 0, got {self.sink_rows!r}")
         if self.query_rows < 1 or self.probe_rows < 1:
             raise FillError("query_rows and probe_rows must be ≥ 1")
+        if not isinstance(self.lexical, (int, float)) or not 0.0 <= self.lexical <= 1.0:
+            raise FillError(f"lexical is a share of prefix rows in [0, 1], got {self.lexical!r}")
 
     @property
     def key_rescale_rows(self) -> int:
@@ -139,14 +144,16 @@ class PrefillResult:
 
 class RidgeFill:
     """One model's prefill, exact or filled. `maps` (for `fill="ridge"`) must match the
-    split; `unigram` / `token_class` feed the `protected` selector."""
+    split; `unigram` / `token_class` feed the `protected` selector, `lexicon` (from the
+    model's tokenizer) the `probe` selector's lexical net."""
 
     def __init__(self, model: CausalLM, maps: RidgeMaps | None = None,
                  unigram: torch.Tensor | None = None, token_class: torch.Tensor | None = None,
-                 attention_backend: str | None = None):
+                 attention_backend: str | None = None, lexicon: Lexicon | None = None):
         self.model = model
         self.maps = maps
         self.unigram, self.token_class = unigram, token_class
+        self.lexicon = lexicon
         self.attn = get_backend(attention_backend, model.device)
         self.L = model.config.num_hidden_layers
         self.reuse_probe_fills = True     # the probe's filled-row K/V and GDN inputs (below)
@@ -164,6 +171,9 @@ class RidgeFill:
                                 f"not {s.split}")
         if s.selector == "protected" and (self.unigram is None or self.token_class is None):
             raise FillError("the protected selector needs calibration unigram counts")
+        if s.selector == "probe" and s.lexical > 0 and self.lexicon is None:
+            raise FillError("the probe's lexical net needs the model's tokenizer; set "
+                            "lexical to 0 to rank by attention alone")
         if s.terminal_correction and self.maps is None:
             raise FillError("terminal-state correction needs maps with delta_state offsets")
 
@@ -424,7 +434,23 @@ class RidgeFill:
             return self._protected(ids[:p], budget)
         else:                                                       # probe (two sweeps)
             scores = self._probe(s, x_split, positions, p, exact_kv, memo)
+            if self.lexicon is not None and s.lexical > 0:
+                return self._lexical(s, ids, p, budget, scores)
         return torch.topk(scores, min(budget, p)).indices.sort().values
+
+    def _lexical(self, s, ids, p, budget, scores) -> torch.Tensor:
+        """The probe's rows with its lexical net (seed 000): the nominated sentences' rows
+        first, up to `lexical`·P of the budget, the rest of the budget by the probe's
+        attention; the prefix's special tokens on top, outside the budget."""
+        ids_list = ids.tolist()
+        lex = self.lexicon.net(ids_list, p, min(budget, int(round(s.lexical * p))))
+        special = self.lexicon.special_rows(ids_list, p)
+        lex_rows = torch.tensor(lex, dtype=torch.long, device=scores.device)
+        ranked = scores.clone()
+        ranked[lex_rows] = float("-inf")
+        rest = torch.topk(ranked, min(budget, p) - lex_rows.numel()).indices
+        extra = torch.tensor(special, dtype=torch.long, device=scores.device)
+        return torch.unique(torch.cat([lex_rows, rest, extra]))
 
     def _protected(self, prefix_ids: torch.Tensor, budget: int) -> torch.Tensor:
         """The rarest 25% of each token class (add-one calibration frequency), capped at

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.model import CausalLM
+from services.prefill.lexicon import Lexicon
 from services.prefill.maps import MapsError, RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillError, FillSettings, PrefillResult, RidgeFill
 
 PREFILL_MODES = ("exact", "ridgefill")
 OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "key_rescale",
-               "terminal_correction", "seed", "sink_rows")
+               "terminal_correction", "seed", "sink_rows", "lexical")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class PrefillConfig:
     value_rescale: int = 0
     key_rescale: int = 0
     terminal_correction: bool = False
+    lexical: float = 0.05            # the probe's lexical-net share (needs the tokenizer)
 
     def __post_init__(self):
         if self.mode not in PREFILL_MODES:
@@ -50,8 +52,10 @@ class PrefillConfig:
 
 
 class PrefillService:
-    def __init__(self, model: CausalLM, config: PrefillConfig = PrefillConfig(), metrics=None):
+    def __init__(self, model: CausalLM, config: PrefillConfig = PrefillConfig(), metrics=None,
+                 lexicon: Lexicon | None = None):
         self.model = model
+        self.lexicon = lexicon              # the probe's lexical net (from the tokenizer)
         self.config = config
         self.metrics = metrics
         self.L = model.config.num_hidden_layers
@@ -67,7 +71,8 @@ class PrefillService:
                                     selector=config.selector, budget=config.budget,
                                     value_rescale=config.value_rescale,
                                     key_rescale=config.key_rescale,
-                                    terminal_correction=config.terminal_correction)
+                                    terminal_correction=config.terminal_correction,
+                                    lexical=config.lexical)
         if config.mode == "ridgefill":      # fail at startup, not on the first request
             self.default.validate(self.L)
             self.maps(self.default.split)
@@ -112,7 +117,8 @@ class PrefillService:
 
     def _fill(self, s: FillSettings) -> RidgeFill:
         maps = self.maps(s.split) if s.enabled(self.L, 1 << 30) else None
-        return RidgeFill(self.model, maps, self.unigram, self.token_class)
+        return RidgeFill(self.model, maps, self.unigram, self.token_class,
+                         lexicon=self.lexicon)
 
     def prefill(self, ids: list[int], s: FillSettings, n_logits: int = 1) -> PrefillResult:
         start = time.perf_counter()

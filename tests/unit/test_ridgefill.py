@@ -144,7 +144,9 @@ def test_selectors_pick_budgeted_prefix_rows(four_layer):
                                              .manual_seed(0)).to(torch.int8))
     seen = {}
     for sel in ("attention", "question-blind", "random", "probe", "protected"):
-        res = rf.prefill(ids, FillSettings(split=1, tail=40, selector=sel, budget=0.1))
+        # (random weights have no tokenizer: the probe ranks by attention alone)
+        res = rf.prefill(ids, FillSettings(split=1, tail=40, selector=sel, budget=0.1,
+                                           lexical=0))
         rows = res.exact_rows[res.exact_rows < 160]
         assert rows.numel() <= 16 and (rows >= 0).all() and rows.unique().numel() == rows.numel()
         if sel != "protected":
@@ -171,7 +173,8 @@ def test_probe_reuses_its_filled_rows_in_the_second_sweep(four_layer, family, ta
     model, maps_dir = four_layer(family)
     ids = prompt(200, seed=7)
     rf = RidgeFill(model, RidgeMaps(maps_dir, model, 2))
-    s = FillSettings(split=2, tail=tail, selector="probe", budget=0.2, probe_rows=probe_rows)
+    s = FillSettings(split=2, tail=tail, selector="probe", budget=0.2, probe_rows=probe_rows,
+                     lexical=0)
     calls = []
     real = rf._fill_input
 
