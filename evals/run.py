@@ -54,6 +54,8 @@ class ArmResult:
 def doc_token_windows(tokenizer, n_docs: int, length: int) -> list[list[int]]:
     """`n_docs` windows of `length` tokens, one per held-out document long enough."""
     out = []
+    if n_docs <= 0:
+        return out
     for doc in documents("eval"):
         ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
         if len(ids) >= length:
@@ -141,6 +143,7 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
     summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
                "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
     summary["paired_vs_identity"], summary["paired_vs_zero-only"] = {}, {}
+    summary[MATCHED] = {}
     for name, res in results.items():
         arm_sum = summary["arms"][name] = {}
         for metric, groups in res.values.items():
@@ -151,17 +154,32 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
             mean, lo, hi = bootstrap_ci(groups, cfg.resamples, cfg.seed)   # within-group
             arm_sum[metric]["all"] = {"mean": mean, "ci": [lo, hi],
                                       "n": sum(len(v) for v in groups.values())}
-        for ref in ("exact", "identity", "zero-only"):
-            if name == ref or ref not in results:
-                continue
+        for key, ref in _references(name, results):
             ex = results[ref].values
             for metric in PAIRED_METRICS:
                 if metric in res.values and metric in ex:
                     mean, lo, hi = paired_difference(res.values[metric], ex[metric],
                                                      cfg.resamples, cfg.seed)
-                    summary[f"paired_vs_{ref}"].setdefault(name, {})[metric] = {
+                    summary[key].setdefault(name, {"against": ref})[metric] = {
                         "mean": mean, "ci": [lo, hi]}
     return summary
+
+
+# a fill arm with exact rows (`ridgefill+probe`) is also paired with identity fill given the
+# same selector (`identity+probe`): both compute the same kind of rows exactly, so the
+# difference is the fill of the rest
+MATCHED = "paired_vs_identity_same_selector"
+
+
+def _references(name: str, results) -> list[tuple[str, str]]:
+    """(summary key, reference arm) pairs that arm `name` is compared with."""
+    refs = [(f"paired_vs_{ref}", ref) for ref in ("exact", "identity", "zero-only")
+            if name != ref and ref in results]
+    if name.startswith("ridgefill+"):
+        twin = "identity+" + name.split("+", 1)[1]
+        if twin in results:
+            refs.append((MATCHED, twin))
+    return refs
 
 
 OVERVIEW = (("retrieval_filled", "filled-region retrieval", True), ("retrieval", "retrieval", True),
@@ -200,11 +218,13 @@ def markdown_table(summary: dict) -> str:
                 lines.append(f"| {metric} | {group} | {fmt(s['mean'])} | "
                              f"[{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | {s['n']} |")
         lines.append("")
-    for ref in ("exact", "identity", "zero-only"):
-        for name, metrics in summary.get(f"paired_vs_{ref}", {}).items():
-            lines.append(f"### `{name}` − `{ref}` (paired)\n")
+    for key in ("paired_vs_exact", "paired_vs_identity", "paired_vs_zero-only", MATCHED):
+        for name, metrics in summary.get(key, {}).items():
+            lines.append(f"### `{name}` − `{metrics['against']}` (paired)\n")
             lines.append("| metric | mean | 95% CI |\n|---|---|---|")
             for metric, s in metrics.items():
+                if metric == "against":
+                    continue
                 lines.append(f"| {metric} | {s['mean']:+.3f} | [{s['ci'][0]:+.3f}, "
                              f"{s['ci'][1]:+.3f}] |")
             lines.append("")

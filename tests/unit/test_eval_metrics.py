@@ -101,3 +101,42 @@ def test_item_places_needle_at_depth_and_records_region():
 def test_multivalue_item_scores_partial_answers():
     item = Item("multivalue", 10, 0.5, [0] * 10, ["111", "222", "333"], [1, 2, 3])
     assert item.score("values are 111 and 333") == 2 / 3
+
+
+def test_fill_arms_pair_with_identity_under_the_same_selector():
+    """`ridgefill+probe` is paired with `exact`, with `identity` and with `identity+probe`
+    (same exact rows, different fill); the tables name the reference of each pair."""
+    from evals.run import MATCHED, ArmResult, EvalConfig, markdown_table, summarize
+
+    rng = random.Random(0)
+    base = [rng.random() for _ in range(40)]
+    results = {}
+    for name, shift in (("exact", 0.0), ("identity", 0.5), ("ridgefill+probe", 0.1),
+                        ("identity+probe", 0.3), ("ridgefill", 0.2)):
+        res = ArmResult()
+        for v in base:
+            res.add("new_token_loss", "docs", v + shift)
+        results[name] = res
+    cfg = EvalConfig(lengths=(1024,), tasks=("single",), resamples=500)
+    summary = summarize(results, cfg, "m", {})
+    matched = summary[MATCHED]
+    assert set(matched) == {"ridgefill+probe"}           # plain ridgefill has no twin
+    pair = matched["ridgefill+probe"]
+    assert pair["against"] == "identity+probe"
+    assert abs(pair["new_token_loss"]["mean"] - (-0.2)) < 1e-9
+    assert summary["paired_vs_identity"]["ridgefill+probe"]["against"] == "identity"
+    assert abs(summary["paired_vs_identity"]["ridgefill+probe"]["new_token_loss"]["mean"]
+               - (-0.4)) < 1e-9
+    table = markdown_table(summary)
+    assert "### `ridgefill+probe` − `identity+probe` (paired)" in table
+    assert "### `ridgefill` − `exact` (paired)" in table
+
+
+def test_zero_docs_means_no_loss_documents():
+    from evals import run
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": list(range(5000))}
+    assert run.doc_token_windows(Tok(), 0, 1024) == []
+    assert len(run.doc_token_windows(Tok(), 2, 1024)) == 2
