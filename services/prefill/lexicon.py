@@ -74,7 +74,8 @@ class Lexicon:
             min_shared: int = 4, max_count: int = 2, sentence_rows: int = 80) -> list[int]:
         """Rows (sorted) of the nominated prefix sentences, at most `cap` of them. `p`: the
         prefix end (rows ≥ p are exact anyway); the query is the whole prompt's last
-        `query_tokens` content tokens."""
+        `query_tokens` content tokens, and sentences reaching into it are not nominated
+        (with a short tail they would share every word with it)."""
         if cap <= 0 or p <= 0:
             return []
         words = self.words(ids)
@@ -100,7 +101,8 @@ class Lexicon:
                 sentence.add(prefix_words[j][0])
                 j += 1
             shared = sentence & query
-            if len(shared) >= min_shared and sentence & rare:
+            # a sentence inside the query window matches itself: the net looks before it
+            if b <= q0 and len(shared) >= min_shared and sentence & rare:
                 nominated.append((-len(shared & rare), -len(shared), a, b))
         rows: list[int] = []
         for _, _, a, b in sorted(nominated):

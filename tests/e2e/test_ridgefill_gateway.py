@@ -57,6 +57,50 @@ def test_ridgefill_request_fills_rows_and_answers(rf_server):
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
+NEEDLE_PROMPT = ("The special magic number for harbor is: 4921337. Remember it. 4921337 is the "
+                 "special magic number for harbor. " + " ".join(
+                     documents("eval")[1].text.split()[:150])
+                 + "\nWhat is the special magic number for harbor?\nThe special magic number "
+                 "for harbor is")
+
+
+def test_probe_request_takes_the_lexical_nets_rows(rf_server):
+    """The server builds the lexicon from the model's tokenizer: a probe request computes
+    the needle's sentences exactly within its budget (`lexical`: their share of it)."""
+    base, gateway = rf_server
+    service = gateway.backend.engine.prefill_service
+    assert service.lexicon is not None
+    seen = []
+    real = type(service)._fill
+
+    def spy(self, s):
+        fill = real(self, s)
+        run = fill.prefill
+
+        def prefill(ids, s_, n_logits=1, **kw):
+            res = run(ids, s_, n_logits, **kw)
+            seen.append((list(ids), res.exact_rows.tolist(), s_))
+            return res
+        fill.prefill = prefill
+        return fill
+    type(service)._fill = spy
+    try:
+        for lexical in (0.15, 0.0):
+            resp = complete(base, NEEDLE_PROMPT, prefill_mode="ridgefill",
+                            ridgefill={"selector": "probe", "budget": 0.2, "lexical": lexical})
+            assert resp.status_code == 200, resp.text
+    finally:
+        type(service)._fill = real
+    (ids, with_net, s), (_, without, s0) = seen
+    assert (s.lexical, s0.lexical) == (0.15, 0.0)
+    p = len(ids) - s.tail
+    nominated = service.lexicon.net(ids, p, int(round(0.15 * p)))
+    assert len(nominated) >= 20                       # the two needle sentences
+    assert set(nominated) <= set(with_net)
+    for rows in (with_net, without):                  # the budget, plus the 4 sink rows
+        assert s.budget_rows(p) <= sum(r < p for r in rows) <= s.budget_rows(p) + 4
+
+
 def test_disabled_fill_equals_exact_mode(rf_server):
     base, _ = rf_server
     exact = complete(base, PROMPT).json()["choices"][0]["text"]
@@ -68,6 +112,8 @@ def test_disabled_fill_equals_exact_mode(rf_server):
     ({"prefill_mode": "ridgefill", "ridgefill": {"split": 0}}, "split"),
     ({"prefill_mode": "ridgefill", "ridgefill": {"selector": "psychic"}}, "selector"),
     ({"prefill_mode": "ridgefill", "ridgefill": {"budget": 2}}, "budget"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"selector": "probe", "lexical": -1}},
+     "lexical"),
     ({"prefill_mode": "ridgefill", "ridgefill": {"split": 3}}, "no maps for split 3"),
     ({"prefill_mode": "fast"}, "prefill_mode"),
 ])

@@ -43,6 +43,7 @@ FILLER = "_sort _a _list _in _place . _returns _None . _keys _and _values . "
 NEEDLE = ("_The _special _magic _number _for _har bor _is : _1234 567 . _Remember _it . "
           "_1234 567 _is _the _special _magic _number _for _har bor . ")
 DISTRACTOR = "_The _special _magic _number _for _copper _is : _1234 567 . "
+GAP = FILLER * 8          # keeps the needles out of the query window (the last 64 content tokens)
 QUESTION = "Ċ _What _is _the _special _magic _number _for _har bor ? Ċ _The _special _magic " \
            "_number _for _har bor _is"
 
@@ -59,7 +60,7 @@ def test_lexicon_reads_pieces_words_and_sentence_ends():
 
 
 def test_net_nominates_the_asked_needle_before_distractors_and_filler():
-    text = FILLER * 3 + DISTRACTOR + FILLER * 2 + NEEDLE + FILLER * 2 + QUESTION
+    text = FILLER * 3 + DISTRACTOR + FILLER * 2 + NEEDLE + GAP + QUESTION
     ids = ids_of(text)
     p = len(ids) - len(ids_of(QUESTION))
     needle_at = len(ids_of(FILLER * 3 + DISTRACTOR + FILLER * 2))
@@ -83,12 +84,12 @@ def test_net_nominates_the_asked_needle_before_distractors_and_filler():
 
 
 def test_net_wants_four_shared_words_and_a_rare_one():
-    frequent = (NEEDLE * 3) + QUESTION                         # "harbor" now appears 6 times
+    frequent = (NEEDLE * 3) + GAP + QUESTION                   # "harbor" now appears 6 times
     ids = ids_of(frequent)
     p = len(ids) - len(ids_of(QUESTION))
     assert LEX.net(ids, p, cap=100) == []                      # no rare word anywhere
     assert LEX.net(ids, p, cap=100, max_count=6) != []
-    short = ids_of(FILLER * 3 + "_The _special _har bor . " + FILLER * 3 + QUESTION)
+    short = ids_of(FILLER * 3 + "_The _special _har bor . " + GAP + QUESTION)
     p = len(short) - len(ids_of(QUESTION))
     assert LEX.net(short, p, cap=100) == []                    # 3 shared words only
     assert LEX.net(short, p, cap=100, min_shared=3) == [len(ids_of(FILLER * 3)) + i
@@ -138,3 +139,15 @@ def test_probe_takes_the_nets_rows_within_its_budget(tiny_fill):
     assert again.exact_rows.tolist() == plain.exact_rows.tolist()
     with pytest.raises(FillError, match="lexical"):
         FillSettings(split=2, tail=8, selector="probe", lexical=1.5).validate(4)
+
+
+def test_net_skips_sentences_inside_the_query_window():
+    """With a short tail the sentences just before the question fall in the prefix and in
+    the query window at once; they would share every word with it."""
+    text = FILLER * 6 + NEEDLE + FILLER * 6 + "_keys _and _values _har bor . " + QUESTION
+    ids = ids_of(text)
+    p = len(ids) - len(ids_of(QUESTION))
+    rows = LEX.net(ids, p, cap=200)
+    needle_at = len(ids_of(FILLER * 6))
+    assert rows == list(range(needle_at, needle_at + 12)) + list(range(needle_at + 15,
+                                                                       needle_at + 26))
