@@ -67,13 +67,10 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
     calibrate(model, iter(docs), CalibConfig(splits=(split,), max_len=512, heldout_docs=1,
                                              context_rows=context_rows),
               path / "maps", log=lambda *_: None)
-    # random checkpoints have no tokenizer: the probe's lexical net is off (lexical = 0; on
-    # a real tokenizer it costs about 15 ms of Python at 16K tokens)
     resident = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
-                                                   split=split, tail=tail, lexical=0.0))
+                                                   split=split, tail=tail))
     streamed = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
-                                                   split=split, tail=tail, resident=False,
-                                                   lexical=0.0))
+                                                   split=split, tail=tail, resident=False))
     maps_r, maps_s = resident.maps(split), streamed.maps(split)
     layer_bytes = max(maps_r.get(l)[0].numel() * maps_r.get(l)[0].element_size()
                       for l in maps_r.layers) if maps_r.layers else 0
@@ -81,6 +78,8 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
     for n in lengths:
         ids = torch.randint(0, vocab, (n,), generator=g).tolist()
         exact = FillSettings(split=L, tail=0)
+        # random checkpoints have no tokenizer: the probe's lexical net is off (with a real
+        # one it costs 4 ms of Python at 8K tokens, 7.5 ms at 16K)
         fill = FillSettings(split=split, tail=tail, selector=selector, budget=budget, lexical=0.0)
         resident.prefill(ids[:256], exact)                       # warm the kernels
         t_exact, t_fill = [], []

@@ -20,8 +20,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-WORD_MARKS = ("Ġ", "▁", " ", "Ċ", "\n")
+from services.prefill.maps import WORD_START
+
 LINE_BREAKS = ("Ċ", "\n", "<0x0A>")
+WORD_MARKS = WORD_START + LINE_BREAKS[:2]      # a token after a space or a line break
 SENTENCE_ENDS = ".!?"
 
 

@@ -434,7 +434,7 @@ class RidgeFill:
             return self._protected(ids[:p], budget)
         else:                                                       # probe (two sweeps)
             scores = self._probe(s, x_split, positions, p, exact_kv, memo)
-            if self.lexicon is not None and s.lexical > 0:
+            if s.lexical > 0:         # `check` made sure there is a lexicon
                 return self._lexical(s, ids, p, budget, scores)
         return torch.topk(scores, min(budget, p)).indices.sort().values
 
