@@ -97,7 +97,7 @@ def test_chunked_delta_rule_on_cuda(t, blocks):
     o2, s2 = chunk_gated_delta_rule(*(x.cuda() for x in (q, k, v, decay, beta, s0)),
                                     out_rows=want.cuda(), block_chunks=blocks)
     assert o.is_cuda and rel(o, o_ref) < 1e-5 and rel(s, s_ref) < 1e-5
-    assert torch.equal(s2, s) and rel(o2[:, -1], o_ref[:, -1]) < 1e-5
+    assert rel(s2, s_ref) < 1e-5 and rel(o2[:, -1], o_ref[:, -1]) < 1e-5
 
 
 @pytest.mark.parametrize("overlap", [False, True])
