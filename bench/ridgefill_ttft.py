@@ -7,8 +7,11 @@ the prefill service and return the first token's logits:
     ridgefill  split S, tail T, maps resident (and, once per length, streamed)
 
 The compute bound is 1/r with r = S/L + (1 − S/L)·T/N (layer passes only); "share" is the
-measured speedup over that bound. Maps are calibrated first on a few random-token documents
-(their values do not matter for time, only their shapes). Also prints the map memory.
+measured speedup over that bound. The speedup is the median of the N paired ratios (each
+exact run over the fill run after it); the times shown are each arm's median. The process
+keeps freed memory as the serving processes do (`--malloc-default`: glibc's defaults).
+Maps are calibrated first on a few random-token documents (their values do not matter for
+time, only their shapes). Also prints the map memory.
 
     python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
                                    [--tail 512] [--reps 5] [--context-rows 0]
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
+from services.common.allocator import keep_freed_memory  # noqa: E402
 from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
 from services.prefill.ridgefill import FillSettings  # noqa: E402
 from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
@@ -88,10 +92,13 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
             t_fill.append(timed(lambda: resident.prefill(ids, fill)))
         t_stream = timed(lambda: streamed.prefill(ids, fill))
         e, f = statistics.median(t_exact), statistics.median(t_fill)
+        # the speedup is the median of the paired ratios: each exact run against the fill run
+        # right after it, so that the VM's drift over a run cancels within a pair
+        speedup = statistics.median(a / b for a, b in zip(t_exact, t_fill))
         bound = 1.0 / fill.compute_share(L, n)
         rows.append({"family": family, "n": n, "S": split, "L": L, "T": tail, "c": context_rows,
-                     "exact_s": e, "ridgefill_s": f, "speedup": e / f, "bound": bound,
-                     "share": (e / f) / bound, "streamed_s": t_stream,
+                     "exact_s": e, "ridgefill_s": f, "speedup": speedup, "bound": bound,
+                     "share": speedup / bound, "streamed_s": t_stream,
                      "maps_resident_mib": maps_r.resident_bytes / 2**20,
                      "maps_streamed_peak_mib": layer_bytes / 2**20,
                      "maps_file_mib": maps_s.file_bytes / 2**20})
@@ -115,8 +122,12 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.1, help="the selector's share of the prefix")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="leave glibc malloc as it is (the serving processes keep freed memory, "
+                         "services/common/allocator.py)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    kept = not args.malloc_default and keep_freed_memory()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +135,8 @@ def main() -> int:
             rows += bench_family(family, lengths, args.tail, args.reps, Path(tmp),
                                  args.context_rows, args.selector, args.budget, args.device,
                                  getattr(torch, args.dtype))
+    print(f"\nmalloc: {'freed memory kept (as served)' if kept else 'glibc defaults'}; "
+          "speedup = median of the paired exact/fill ratios")
     if args.selector != "none":
         print(f"\nfill arm: selector {args.selector}, budget {args.budget}")
     if args.device != "cpu":

@@ -475,7 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from services.common.allocator import keep_freed_memory
+
     args = build_parser().parse_args(argv)
+    keep_freed_memory()     # no page faults on every prefill's activations (allocator.py)
     return args.func(args)
 
 

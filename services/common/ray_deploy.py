@@ -31,6 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.allocator import keep_freed_memory
 from services.engine.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -124,6 +125,7 @@ class PoolReplica:
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
+        keep_freed_memory()
         device = "cuda" if use_gpu else "cpu"
         self.name = name
         self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
@@ -161,6 +163,7 @@ class PrefillReplica:
         from services.engine.build import build_engine
         from services.prefill.server import serve_prefill
 
+        keep_freed_memory()
         c = config
         torch.set_num_threads(c.threads)
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
@@ -206,6 +209,7 @@ class AttentionReplica:
         from services.common.transport import make_transport
         from services.mlp_pool import MLPPool
 
+        keep_freed_memory()
         c = config
         device = "cuda" if c.use_gpu else "cpu"
         if c.transport == "local":   # the pool lives in this process: one model, both sides
