@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from services.common.allocator import keep_freed_memory
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -475,8 +477,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.common.allocator import keep_freed_memory
-
     args = build_parser().parse_args(argv)
     keep_freed_memory()     # no page faults on every prefill's activations (allocator.py)
     return args.func(args)

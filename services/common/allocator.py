@@ -12,8 +12,8 @@ sequence) make it pay proportionally more than exact.
 `keep_freed_memory()` turns both off (`M_MMAP_MAX` 0: every block comes from the heap;
 `M_TRIM_THRESHOLD` 2 GiB: freed memory is kept for reuse), which is what vLLM's CPU
 backend gets from preloading tcmalloc. Cost: the process keeps its peak resident size.
-`splitstack serve`, `generate`, `eval` and `calibrate`, the Ray replicas and
-`bench/ridgefill_ttft.py` call it; `SPLITSTACK_KEEP_FREED_MEMORY=0` leaves malloc as it is.
+Every `splitstack` command, the Ray replicas and `bench/ridgefill_ttft.py` call it;
+`SPLITSTACK_KEEP_FREED_MEMORY=0` leaves malloc as it is.
 """
 from __future__ import annotations
 
