@@ -9,7 +9,8 @@ the prefill service and return the first token's logits:
 The compute bound is 1/r with r = S/L + (1 − S/L)·T/N (layer passes only); "share" is the
 measured speedup over that bound. The speedup is the median of the N paired ratios (each
 exact run over the fill run after it); the times shown are each arm's median. The process
-keeps freed memory as the serving processes do (`--malloc-default`: glibc's defaults).
+keeps freed memory and flushes subnormal floats to zero as the serving processes do
+(`--malloc-default`: glibc's defaults; `--keep-denormals`: subnormals kept).
 Maps are calibrated first on a few random-token documents (their values do not matter for
 time, only their shapes). Also prints the map memory.
 
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
 from services.common.allocator import keep_freed_memory  # noqa: E402
+from services.common.denormals import flush_denormals  # noqa: E402
 from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
 from services.prefill.ridgefill import FillSettings  # noqa: E402
 from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
@@ -125,7 +127,11 @@ def main() -> int:
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc malloc as it is (the serving processes keep freed memory, "
                          "services/common/allocator.py)")
+    ap.add_argument("--keep-denormals", action="store_true",
+                    help="compute with subnormal floats (the serving processes flush them to "
+                         "zero, services/common/denormals.py)")
     args = ap.parse_args()
+    flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)
     kept = not args.malloc_default and keep_freed_memory()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -136,6 +142,7 @@ def main() -> int:
                                  args.context_rows, args.selector, args.budget, args.device,
                                  getattr(torch, args.dtype))
     print(f"\nmalloc: {'freed memory kept (as served)' if kept else 'glibc defaults'}; "
+          f"subnormals: {'flushed to zero (as served)' if flushed else 'kept'}; "
           "speedup = median of the paired exact/fill ratios")
     if args.selector != "none":
         print(f"\nfill arm: selector {args.selector}, budget {args.budget}")
