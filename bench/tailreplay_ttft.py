@@ -17,6 +17,7 @@ Arms, per prefix length:
 - Redis-tier hit (first r, overlap + skip): a fresh engine whose memory tier is empty, so
   every block comes from Redis (skipped when `--redis-url ''` or Redis is unreachable).
 
+Subnormal floats are flushed to zero as in the serving processes (`--keep-denormals`: kept).
 Prints one table: TTFT, the speedup over the full prefill, and the mean replay and KV-copy
 time of the hits (from the prefix cache's histograms).
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
+from services.common.denormals import flush_denormals  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 from services.prefix_cache import (PrefixCache, PrefixCacheConfig,  # noqa: E402
                                    PrefixCacheMetrics)
@@ -85,7 +87,11 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the KV copy then "
                         "overlaps the replay on a side stream when overlap is on)")
+    parser.add_argument("--keep-denormals", action="store_true",
+                        help="compute with subnormal floats (the serving processes flush them "
+                             "to zero, services/common/denormals.py)")
     args = parser.parse_args()
+    flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)
     prefixes = [int(p) for p in args.prefixes.split(",")]
     ratios = [float(r) for r in args.ratios.split(",")]
@@ -119,7 +125,8 @@ def main() -> None:
     where = (torch.cuda.get_device_name() if args.device == "cuda"
              else f"{args.threads} torch threads")
     print(f"Qwen3.5 bench config (random fp32), suffix {args.suffix} tokens, median of "
-          f"{args.reps}, {where}, prefill chunk {args.chunk}", flush=True)
+          f"{args.reps}, {where}, prefill chunk {args.chunk}, subnormals "
+          f"{'flushed to zero' if flushed else 'kept'}", flush=True)
     print("| prefix | arm | r | overlap | FFN skip | TTFT ms | speedup vs full | replay ms "
           "| KV copy ms |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
