@@ -1,14 +1,17 @@
 """Flush subnormal floats to zero in CPU arithmetic, on every compute thread.
 
-The gated delta rule's chunked form inverts a unit lower-triangular matrix per chunk (the
-WY form's (I + A)⁻¹). Its far off-diagonal entries are long products of small factors, and
-with the state's decays they reach float32's subnormal range (below 1.2e−38). x86 handles
-subnormal operands in microcode, up to ~100× slower per operation: in the chunked rule at
-8K tokens the triangular solves took 10× and the state products 8× longer than with
-subnormals flushed, so a whole Gated DeltaNet layer ran 1.3–2.2× slower, on the zoo's
-hybrid as on the bench hybrid. A subnormal is more than 30 orders of magnitude below
-float32's resolution of the O(1) terms it is summed with, so flushing it changes no result
-that float32 can tell apart (TensorFlow flushes by default for the same reason).
+Gated DeltaNet heads with strong decays (a log-decay of more than about 1.4 per token) put
+float32 subnormals (below 1.2e−38) into the chunked delta rule: the decay factors
+e^{γ_i − γ_j} across a 64-token chunk, and from them the WY form's (I + A)⁻¹ and the state
+products. x86 computes on subnormal operands in microcode, up to ~100× slower per operation.
+In the bench hybrid (random weights; log-decays per token of up to 3–6, median 0.4–1.4)
+the triangular solves took 10× and the state products 8× longer than with subnormals
+flushed, and a whole Gated DeltaNet layer at 8K tokens 2× longer. The zoo's distilled
+hybrid decays gently (at most 0.2 per token): its solves see no subnormals, and flushing
+changes nothing there, nor in the dense models; a checkpoint with fast-forgetting heads
+pays it. A subnormal lies more than 30 orders of magnitude below float32's
+resolution of the O(1) terms it is summed with, so flushing it changes no result float32
+can tell apart (TensorFlow flushes by default for the same reason).
 
 `torch.set_flush_denormal` sets the FTZ/DAZ bits of the calling thread only. Threads
 inherit the bits of the thread that creates them, so the call must come before the first
