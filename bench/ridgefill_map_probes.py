@@ -1,0 +1,121 @@
+"""Where the fill's key/value error could still come down: three variants of the upper-layer
+map against the calibrated one, scored by the relative error of the keys and values they
+give filled rows, layer by layer (in memory; no serving path uses the variants).
+
+    base     x̂_l = A_l f + b_l, then the layer's norm and K/V projections (what RidgeFill
+             does; f = [x_S[t], x_S[t−1]], one context row)
+    direct   a ridge map from f straight to the layer's [k, v] (before RoPE), skipping the
+             norm's nonlinearity
+    tail     base, corrected per document from its own last T rows' exact (x_S, x_l) pairs
+             (a ridge update toward A_l, μ = 10) — what a request's exact tail could teach
+             the map; an upper bound, since a real fill only has the tail's approximate x_l
+
+Each document's first 1024 tokens are cut into filled rows (all but the last T = 256) and
+tail rows; the first 4 rows (sinks) are left out, as in calibration. Maps are fitted on the
+corpus's calibration split, errors summed over held-out documents:
+Σ‖k̂ − k‖² / Σ‖k − k̄‖² (and the same for v).
+
+    python bench/ridgefill_map_probes.py --model models/zoo/smollm2-135m --split 15 \\
+        [--fit-docs 30 --held-docs 10 --lam 1e-2 --threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from evals.corpus import documents  # noqa: E402
+from models import load_model  # noqa: E402
+from services.common.tokenizer import load_tokenizer  # noqa: E402
+from services.prefill.capture import exact_pass  # noqa: E402
+from services.prefill.maps import context_features  # noqa: E402
+
+SINK, LENGTH, TAIL = 4, 1024, 256
+
+
+def ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Centred ridge fit y ≈ A x + b with α = λ·tr(XᵀX)/d_in (the calibration's rule)."""
+    mx, my = x.mean(0), y.mean(0)
+    xc = x - mx
+    c = xc.T @ xc
+    c += lam * torch.trace(c) / c.shape[0] * torch.eye(c.shape[0], dtype=c.dtype)
+    a = torch.linalg.solve(c, xc.T @ (y - my)).T
+    return a, my - a @ mx
+
+
+def tail_update(a, b, xt, yt, mu: float = 10.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ridge step from (A, b) toward the tail's pairs: the residual's mean goes into b,
+    its regression on the centred tail inputs (Gram form, T×T) into A."""
+    r = yt - (xt @ a.T + b)
+    xc, mr = xt - xt.mean(0), r.mean(0)
+    g = xc @ xc.T
+    d = (r - mr).T @ torch.linalg.solve(g + mu * torch.trace(g) / xt.shape[1]
+                                        * torch.eye(g.shape[0], dtype=g.dtype), xc)
+    return a + d, b + mr - d @ xt.mean(0)
+
+
+@torch.inference_mode()
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--split", type=int, required=True)
+    ap.add_argument("--fit-docs", type=int, default=30)
+    ap.add_argument("--held-docs", type=int, default=10)
+    ap.add_argument("--lam", type=float, default=1e-2)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model, dtype=torch.float32), load_tokenizer(args.model)
+    s, n_layers = args.split, model.config.num_hidden_layers
+    layers = list(range(s + 1, n_layers))
+
+    def kv(l: int, x_l: torch.Tensor) -> torch.Tensor:
+        pos = torch.zeros(x_l.shape[0], dtype=torch.long)           # no rotation
+        k, v = model.attn_key_value(l, model.norm_in(l, x_l.float()), pos)
+        return torch.cat([k.flatten(1), v.flatten(1)], -1).double()
+
+    def capture(doc):
+        ids = torch.tensor(tok(doc.text, add_special_tokens=False)["input_ids"][:LENGTH])
+        xs, _ = exact_pass(model, ids)
+        rows = torch.arange(SINK, ids.numel())
+        return (context_features(xs[s], rows, 1).double(),
+                {l: xs[l][SINK:].double() for l in layers})
+
+    docs = documents("calib")
+    fit = [capture(d) for d in docs[:args.fit_docs]]
+    held = [capture(d) for d in docs[args.fit_docs:args.fit_docs + args.held_docs]]
+    x_fit = torch.cat([f[0] for f in fit])
+    print(f"{args.model}, split {s}: {x_fit.shape[0]} fit rows, {len(held)} held-out documents, "
+          f"λ = {args.lam}, one context row\n")
+    print("| layer | key: base | direct | tail | value: base | direct | tail |")
+    print("|---|---|---|---|---|---|---|")
+    for l in layers:
+        y_fit = torch.cat([f[1][l] for f in fit])
+        a, b = ridge(x_fit, y_fit, args.lam)
+        ad, bd = ridge(x_fit, kv(l, y_fit), args.lam)
+        err = {name: torch.zeros(2, dtype=torch.float64) for name in ("base", "direct", "tail")}
+        var = torch.zeros(2, dtype=torch.float64)
+        for x, ys in held:
+            p = x.shape[0] - TAIL
+            xf, true = x[:p], kv(l, ys[l][:p])
+            at, bt = tail_update(a, b, x[p:], ys[l][p:])
+            preds = {"base": kv(l, xf @ a.T + b), "direct": xf @ ad.T + bd,
+                     "tail": kv(l, xf @ at.T + bt)}
+            h = true.shape[1] // 2
+            for name, pred in preds.items():
+                e = (pred - true) ** 2
+                err[name] += torch.stack([e[:, :h].sum(), e[:, h:].sum()])
+            c = (true - true.mean(0)) ** 2
+            var += torch.stack([c[:, :h].sum(), c[:, h:].sum()])
+        r = {name: e / var for name, e in err.items()}
+        print(f"| {l} | {r['base'][0]:.3f} | {r['direct'][0]:.3f} | {r['tail'][0]:.3f} | "
+              f"{r['base'][1]:.3f} | {r['direct'][1]:.3f} | {r['tail'][1]:.3f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
