@@ -8,8 +8,7 @@ import time
 
 import torch
 
-from services.common.allocator import keep_freed_memory
-from services.common.denormals import flush_denormals
+from services.common.process_settings import tune_process
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -479,8 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    keep_freed_memory()     # no page faults on every prefill's activations (allocator.py)
-    flush_denormals()       # before any parallel op starts the compute threads (denormals.py)
+    tune_process()          # freed memory kept, subnormals flushed: before any computing
     return args.func(args)
 
 

@@ -31,20 +31,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.allocator import keep_freed_memory
-from services.common.denormals import flush_denormals
+from services.common.process_settings import tune_process
 from services.engine.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
 TRANSPORT_NAMES = ("local", "grpc", "nccl")
-
-
-def _tune_process() -> None:
-    """A replica's process settings, first thing in its constructor: freed memory kept
-    (allocator.py), subnormals flushed before the compute threads start (denormals.py)."""
-    keep_freed_memory()
-    flush_denormals()
 
 
 @dataclass
@@ -133,7 +125,7 @@ class PoolReplica:
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
-        _tune_process()
+        tune_process()
         device = "cuda" if use_gpu else "cpu"
         self.name = name
         self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
@@ -171,7 +163,7 @@ class PrefillReplica:
         from services.engine.build import build_engine
         from services.prefill.server import serve_prefill
 
-        _tune_process()
+        tune_process()
         c = config
         torch.set_num_threads(c.threads)
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
@@ -217,7 +209,7 @@ class AttentionReplica:
         from services.common.transport import make_transport
         from services.mlp_pool import MLPPool
 
-        _tune_process()
+        tune_process()
         c = config
         device = "cuda" if c.use_gpu else "cpu"
         if c.transport == "local":   # the pool lives in this process: one model, both sides

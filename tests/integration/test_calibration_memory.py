@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
+
+from tests.fresh import run_fresh
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, tempfile
@@ -34,9 +34,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(n_docs: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(n_docs)], capture_output=True,
-                         text=True, timeout=300, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(run_fresh(SCRIPT, str(n_docs)).strip().splitlines()[-1])
 
 
 def test_peak_memory_is_flat_in_calibration_text():

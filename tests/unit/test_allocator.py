@@ -4,12 +4,11 @@ Each case runs in a fresh interpreter: whether glibc's defaults fault depends on
 heap already holds, and a test process's heap holds whatever earlier tests left."""
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 
 import pytest
+
+from tests.fresh import run_fresh
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc settings")
 
@@ -31,10 +30,7 @@ ONE_TENSOR_PAGES = 12 * 2**20 * 4 // 4096
 
 def last_round(mode: str, **env: str) -> tuple[bool, int]:
     """(settings applied, minor page faults of the last of 8 rounds) in a fresh process."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=root, check=True,
-                         capture_output=True, text=True, env={**os.environ, **env},
-                         timeout=120).stdout.split()
+    out = run_fresh(PROBE, mode, timeout=120, **env).split()
     return out[0] == "True", int(out[1])
 
 

@@ -5,13 +5,12 @@ Each case runs in a fresh interpreter: the flush mode is a per-thread CPU settin
 compute threads inherit when they start, and a test process has long started its own."""
 from __future__ import annotations
 
-import os
 import platform
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from tests.fresh import run_fresh
 
 x86_or_arm = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "aarch64"),
                                 reason="flush-to-zero is an x86 / ARM CPU mode")
@@ -40,10 +39,7 @@ print(on, int((y != 0).sum()), int((b != 0).sum()))
 
 def probe(mode: str, out: str, **env: str) -> tuple[bool, int, int]:
     """(flushing on, nonzero elementwise results, nonzero GEMM results) in a fresh process."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    res = subprocess.run([sys.executable, "-c", PROBE, mode, out], cwd=root, check=True,
-                         capture_output=True, text=True, env={**os.environ, **env},
-                         timeout=120).stdout.split()
+    res = run_fresh(PROBE, mode, out, timeout=120, **env).split()
     return res[0] == "True", int(res[1]), int(res[2])
 
 
