@@ -148,8 +148,10 @@ def _advance_state(s, a, kk, kbe, vb, gamma):
     solve is half as wide as the output path's and the sequential loop one product per
     chunk instead of two. Equal to that path's state up to fp32 rounding."""
     decay_to_end = (gamma[..., -1:] - gamma).exp().to(kk.dtype)[..., None]     # [m, BH, C, 1]
-    x = torch.linalg.solve_triangular(a, (kk * decay_to_end).transpose(-1, -2),
-                                      upper=False, unitriangular=True, left=False)
+    # X = R (I + A)⁻¹ as Xᵀ = (I + A)⁻ᵀ Rᵀ: MKL's batched left solve is about twice as fast
+    # as the right one here (8K tokens, 2 threads: 180 -> 148 ms for the whole state-only run)
+    x = torch.linalg.solve_triangular(a.mT, kk * decay_to_end, upper=True,
+                                      unitriangular=True).mT
     n = x @ vb                                                                # [m, BH, Dk, Dv]
     step = gamma[..., -1].exp().to(kk.dtype)                                  # [m, BH]
     m = torch.diag_embed(step[..., None].expand(*step.shape, kk.shape[-1])) - x @ kbe
