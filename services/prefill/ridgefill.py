@@ -58,33 +58,37 @@ class FillSettings:
                                  # the lexical net's sentences (seed 000's 27B probe: 5%)
 
     def validate(self, num_layers: int) -> None:
-        if not isinstance(self.split, int) or not 1 <= self.split <= num_layers:
+        """Every field's type and range (request fields arrive as JSON: a string, null or
+        boolean where a number belongs is refused here, not met later as a TypeError)."""
+        if not _is_int(self.split) or not 1 <= self.split <= num_layers:
             raise FillError(f"split must be an integer in 1..{num_layers - 1} (or {num_layers} "
                             f"to disable the fill), got {self.split!r}")
-        if not isinstance(self.tail, int) or self.tail < 0:
-            raise FillError(f"tail must be an integer ≥ 0, got {self.tail!r}")
-        if self.fill not in FILLS:
+        _check_int("tail", self.tail, 0)
+        if not isinstance(self.fill, str) or self.fill not in FILLS:
             raise FillError(f"fill must be one of {FILLS}, got {self.fill!r}")
-        if self.selector not in SELECTORS:
+        if not isinstance(self.selector, str) or self.selector not in SELECTORS:
             raise FillError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
-        if not 0.0 <= self.budget <= 1.0:
+        if not _is_share(self.budget):
             raise FillError(f"selector budget is a share of prefix rows in [0, 1], "
                             f"got {self.budget!r}")
-        if not isinstance(self.value_rescale, int) or self.value_rescale < 0:
-            raise FillError(f"value_rescale must be an integer ≥ 0, got {self.value_rescale!r}")
+        _check_int("value_rescale", self.value_rescale, 0)
         if self.key_rescale is True and not self.value_rescale:
             raise FillError("key_rescale = true uses the value_rescale rows: set value_rescale "
                             "= c > 0, or give key_rescale its own row count")
-        if not isinstance(self.key_rescale, int) or self.key_rescale < 0:
+        if not isinstance(self.key_rescale, bool) and not (
+                _is_int(self.key_rescale) and self.key_rescale >= 0):
             raise FillError(f"key_rescale must be an integer ≥ 0 or true, "
                             f"got {self.key_rescale!r}")
-        if self.splice not in SPLICES:
+        if not isinstance(self.terminal_correction, bool):
+            raise FillError(f"terminal_correction must be true or false, "
+                            f"got {self.terminal_correction!r}")
+        _check_int("seed", self.seed, None)
+        if not isinstance(self.splice, str) or self.splice not in SPLICES:
             raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
-        if not isinstance(self.sink_rows, int) or self.sink_rows < 0:
-            raise FillError(f"sink_rows must be an integer ≥ 0, got {self.sink_rows!r}")
-        if self.query_rows < 1 or self.probe_rows < 1:
-            raise FillError("query_rows and probe_rows must be ≥ 1")
-        if not isinstance(self.lexical, (int, float)) or not 0.0 <= self.lexical <= 1.0:
+        _check_int("sink_rows", self.sink_rows, 0)
+        _check_int("query_rows", self.query_rows, 1)
+        _check_int("probe_rows", self.probe_rows, 1)
+        if not _is_share(self.lexical):
             raise FillError(f"lexical is a share of prefix rows in [0, 1], got {self.lexical!r}")
 
     @property
@@ -113,6 +117,21 @@ class FillSettings:
         s = self.split / num_layers
         p = self.prefix_end(n)
         return s + (1 - s) * (n - p + self.budget_rows(p)) / n
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_share(v) -> bool:
+    """A number in [0, 1] (NaN fails the comparison)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+
+
+def _check_int(name: str, v, low: int | None) -> None:
+    if not _is_int(v) or (low is not None and v < low):
+        bound = "an integer" if low is None else f"an integer ≥ {low}"
+        raise FillError(f"{name} must be {bound}, got {v!r}")
 
 
 @dataclass

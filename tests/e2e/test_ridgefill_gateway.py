@@ -115,6 +115,10 @@ def test_disabled_fill_equals_exact_mode(rf_server):
     ({"prefill_mode": "ridgefill", "ridgefill": {"selector": "probe", "lexical": -1}},
      "lexical"),
     ({"prefill_mode": "ridgefill", "ridgefill": {"split": 3}}, "no maps for split 3"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"budget": "0.1"}}, "budget"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"seed": None}}, "seed"),
+    ({"prefill_mode": "ridgefill", "ridgefill": {"terminal_correction": "yes"}},
+     "terminal_correction"),
     ({"prefill_mode": "fast"}, "prefill_mode"),
 ])
 def test_bad_ridgefill_settings_are_400(rf_server, extra, needle):

@@ -433,6 +433,16 @@ def test_bad_settings_fail_before_work(four_layer, monkeypatch):
     for overrides in bad:
         with pytest.raises(ValueError):
             svc.resolve("ridgefill", overrides, 100)
+    # JSON of the wrong type: refused as FillError naming the field, not met as a TypeError
+    wrong_type = {"split": True, "tail": "8", "budget": "0.1", "value_rescale": 2.0,
+                  "key_rescale": -1, "terminal_correction": "yes", "seed": None,
+                  "selector": ["probe"], "sink_rows": 1.5, "lexical": None}
+    for field, value in wrong_type.items():
+        with pytest.raises(FillError, match=field):
+            svc.resolve("ridgefill", {field: value}, 100)
+    for field in ("budget", "lexical"):
+        with pytest.raises(FillError, match=field if field == "lexical" else "budget"):
+            svc.resolve("ridgefill", {field: float("nan")}, 100)
     with pytest.raises(ValueError, match="prefill_mode"):
         svc.resolve("fast", None, 100)
     engine = LLMEngine(model, EngineConfig(num_blocks=32), prefill_service=svc)
