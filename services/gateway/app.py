@@ -49,6 +49,7 @@ class Gateway:
         if req.model != self.model_name:
             raise APIError(404, f"model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", code="model_not_found")
+        req.check_supported()
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
         if max_tokens <= 0:

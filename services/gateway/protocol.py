@@ -24,6 +24,17 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI (and vLLM) request fields not implemented here, each with the values that ask for
+# nothing (null is always accepted)
+UNSUPPORTED: dict[str, tuple] = {
+    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "min_tokens": (0,),
+}
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -32,7 +43,7 @@ class _Common(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: model default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)   # torch's seed range
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -47,6 +58,17 @@ class _Common(BaseModel):
     # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states
     # (None: the server's --replay-ratio; 0: zero-only)
     replay_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+
+    def check_supported(self) -> None:
+        """Refuse OpenAI fields this server does not implement when they ask for something
+        (a client that sends their defaults, e.g. `frequency_penalty: 0`, is served): an
+        ignored `logprobs` or `logit_bias` would return an answer to another request."""
+        fields = {**(self.model_extra or {}), "logprobs": self.logprobs}
+        for name, default in UNSUPPORTED.items():
+            value = fields.get(name)
+            if value is not None and value not in default:
+                raise APIError(400, f"{name} is not supported by this server (got {value!r})",
+                               name)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -63,7 +85,14 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
+        """The message's text; a content part other than text (an image, audio) is refused:
+        this server serves text-only models."""
         if isinstance(self.content, list):
+            for part in self.content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"content part of type {part.get('type')!r} is not "
+                                        f"supported: this server takes text parts only",
+                                   "messages")
             return "".join(part.get("text", "") for part in self.content
                            if part.get("type") == "text")
         return self.content or ""

@@ -79,6 +79,23 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": "four"}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
+    # OpenAI fields not implemented are refused when they ask for something
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.5}, 400,
+     "frequency_penalty"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 5}}, 400,
+     "logit_bias"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "logprobs": True}, 400,
+     "logprobs"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2,
+      "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "tool_choice": "required",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     400, "messages"),
 ])
 def test_bad_requests_get_openai_errors(server, body, status, param):
     base, gateway = server
@@ -87,6 +104,22 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_unimplemented_fields_at_their_defaults_are_served(server):
+    """Clients that send every field (LangChain and others send the penalties as 0 and
+    `logprobs: false`) get an answer; so do the extreme seeds torch accepts."""
+    base, gateway = server
+    defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
+                "top_logprobs": 0, "n": 1, "logit_bias": {}, "tool_choice": "none",
+                "response_format": {"type": "text"}, "user": "u1"}
+    for seed in (2**64 - 1, -(2**63)):
+        resp = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": QUESTION, "max_tokens": 2, "seed": seed, **defaults})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"]
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
