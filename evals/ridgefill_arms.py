@@ -117,6 +117,9 @@ class FillArm(Arm):
                                if settings.pop("longtail", False) else None)
         self.settings = FillSettings(**settings)
         needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
+        if maps_dir is None and (needs_maps or self.settings.selector == "protected"):
+            raise ValueError(f"arm {self.name!r} needs calibrated maps: pass --maps "
+                             f"(splitstack calibrate writes them)")
         maps = RidgeMaps(maps_dir, model, split) if needs_maps else None
         unigram = token_class = None
         if self.settings.selector == "protected":

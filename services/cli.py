@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -13,18 +14,20 @@ from services.common.process_settings import tune_process
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _token_ids(text: str) -> list[int]:
+def _int_list(text: str) -> tuple[int, ...]:
+    """argparse type of the comma-separated integer options (--token-ids, --splits,
+    --lengths): a bad value is a usage error naming the option."""
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        return tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
-        raise SystemExit(f"--token-ids must be comma-separated integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from kernels.sampling import SamplingParams
     from models import load_model
     from services.common.tokenizer import eos_token_ids, load_tokenizer
-    from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
+    from services.engine import EngineConfig, GenerationParams, LLMEngine
 
     torch.set_num_threads(args.threads)
     tokenizer = None
@@ -37,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids = tokenizer(args.prompt)["input_ids"]
     else:
-        ids = _token_ids(args.token_ids)
+        ids = list(args.token_ids)
     model = load_model(args.model, dtype=DTYPES[args.dtype])
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size),
                        eos_token_ids=eos_token_ids(args.model))
@@ -46,11 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed))
     start = time.perf_counter()
-    try:
-        seq = engine.generate([ids], params)[0]
-    except RequestError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    seq = engine.generate([ids], params)[0]      # a RequestError is reported by main()
     elapsed = time.perf_counter() - start
     if tokenizer is not None:
         print(tokenizer.decode(seq.output_ids, skip_special_tokens=True))
@@ -75,7 +74,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from evals.run import EvalConfig, run_eval, write_outputs
 
     torch.set_num_threads(args.threads)
-    cfg = EvalConfig(lengths=tuple(int(x) for x in args.lengths.split(",")),
+    cfg = EvalConfig(lengths=args.lengths,
                      tasks=tuple(args.tasks.split(",")), n_items=args.n_items,
                      n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed,
                      chat=args.chat)
@@ -109,47 +108,43 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from services.prefill import maps as maps_mod
 
     torch.set_num_threads(args.threads)
-    splits = tuple(int(x) for x in args.splits.split(","))
+    splits = args.splits
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        if args.resolve:      # new λ from the saved sums; reads no text and no model
-            for s in splits:
-                info = maps_mod.resolve(args.out, s, args.lam, args.map_dtype)
-                print(json.dumps({"split": s, **info}))
-            return 0
-        from models import load_model
-        from services.common.tokenizer import load_tokenizer
+    if args.resolve:      # new λ from the saved sums; reads no text and no model
+        for s in splits:
+            info = maps_mod.resolve(args.out, s, args.lam, args.map_dtype)
+            print(json.dumps({"split": s, **info}))
+        return 0
+    from models import load_model
+    from services.common.tokenizer import load_tokenizer
 
-        if not args.model:
-            raise SystemExit("--model is required (unless --resolve)")
-        model = load_model(args.model, dtype=DTYPES[args.dtype])
-        tokenizer = load_tokenizer(args.model)
-        cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
-                                   heldout_docs=args.heldout_docs, map_dtype=args.map_dtype,
-                                   lam=args.lam, sink_rows=args.sink_rows,
-                                   context_rows=args.context_rows)
-        for s in splits:
-            maps_mod.check_split(model.config.num_hidden_layers, s)
-        start = time.perf_counter()
-        docs = _calibration_docs(args, tokenizer)
-        terminal = []
-        if model.config.is_hybrid and args.terminal_docs and not args.data:
-            from evals.corpus import documents
-            held = documents("calib")[args.max_docs:args.max_docs + args.terminal_docs]
-            terminal = [tokenizer(d.text, add_special_tokens=False)["input_ids"][:args.max_len]
-                        for d in held]
-        summary = maps_mod.calibrate(model, docs, cfg, args.out, log=log,
-                                     token_class=maps_mod.token_classes(
-                                         tokenizer, model.config.vocab_size))
-        for s in splits:
-            if terminal:
-                maps_mod.calibrate_terminal(model, args.out, s, terminal, args.terminal_tail,
-                                            log=log)
-        summary["seconds"] = round(time.perf_counter() - start, 1)
-        print(json.dumps(summary, indent=2, default=str))
-    except maps_mod.MapsError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if not args.model:
+        raise SystemExit("--model is required (unless --resolve)")
+    model = load_model(args.model, dtype=DTYPES[args.dtype])
+    tokenizer = load_tokenizer(args.model)
+    cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
+                               heldout_docs=args.heldout_docs, map_dtype=args.map_dtype,
+                               lam=args.lam, sink_rows=args.sink_rows,
+                               context_rows=args.context_rows)
+    for s in splits:
+        maps_mod.check_split(model.config.num_hidden_layers, s)
+    start = time.perf_counter()
+    docs = _calibration_docs(args, tokenizer)
+    terminal = []
+    if model.config.is_hybrid and args.terminal_docs and not args.data:
+        from evals.corpus import documents
+        held = documents("calib")[args.max_docs:args.max_docs + args.terminal_docs]
+        terminal = [tokenizer(d.text, add_special_tokens=False)["input_ids"][:args.max_len]
+                    for d in held]
+    summary = maps_mod.calibrate(model, docs, cfg, args.out, log=log,
+                                 token_class=maps_mod.token_classes(
+                                     tokenizer, model.config.vocab_size))
+    for s in splits:
+        if terminal:
+            maps_mod.calibrate_terminal(model, args.out, s, terminal, args.terminal_tail,
+                                        log=log)
+    summary["seconds"] = round(time.perf_counter() - start, 1)
+    print(json.dumps(summary, indent=2, default=str))
     return 0
 
 
@@ -190,14 +185,10 @@ def cmd_convert_qfirst(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    try:
-        cfg = cq.ConvertConfig(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
-                               lr=args.lr, eval_docs=args.eval_docs, seed=args.seed)
-        train, heldout, source = cq.corpus_data(args.model, cfg, args.data)
-        result = cq.convert_qfirst(args.model, args.out, train, heldout, cfg, log, source)
-    except (cq.ConversionError, FileNotFoundError) as err:     # bad budget, data or model
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    cfg = cq.ConvertConfig(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                           lr=args.lr, eval_docs=args.eval_docs, seed=args.seed)
+    train, heldout, source = cq.corpus_data(args.model, cfg, args.data)
+    result = cq.convert_qfirst(args.model, args.out, train, heldout, cfg, log, source)
     print(json.dumps(result, indent=2))
     print(f"d = {result['d']:+.4f} bits/byte (converted + SFT {result['bpb']['converted_sft']:.4f}"
           f" vs unconverted + SFT {result['bpb']['unconverted_sft']:.4f}); "
@@ -232,23 +223,19 @@ def _serve_cluster(args: argparse.Namespace) -> int:
     from services.common.ray_deploy import ClusterConfig
     from services.gateway.server import build_cluster
 
-    try:
-        options = _engine_options(args)
-        prefill_replicas = args.prefill_replicas
-        if prefill_replicas is None:    # RidgeFill and the prefix cache need the service
-            prefill_replicas = int(options.ridgefill or options.prefix_cache_bytes is not None)
-        config = ClusterConfig(
-            model=args.model, attention_shards=args.attention_shards or 1,
-            mlp_replicas=args.mlp_replicas or 1, wiring=args.wiring,
-            transport=args.transport or "grpc", kv_splits=args.kv_splits,
-            kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=args.max_num_seqs,
-            dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu,
-            prefill_replicas=prefill_replicas, prefill=options)
-        app, cluster = build_cluster(config, address=args.address,
-                                     served_name=args.served_model_name)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    options = _engine_options(args)
+    prefill_replicas = args.prefill_replicas
+    if prefill_replicas is None:    # RidgeFill and the prefix cache need the service
+        prefill_replicas = int(options.ridgefill or options.prefix_cache_bytes is not None)
+    config = ClusterConfig(
+        model=args.model, attention_shards=args.attention_shards or 1,
+        mlp_replicas=args.mlp_replicas or 1, wiring=args.wiring,
+        transport=args.transport or "grpc", kv_splits=args.kv_splits,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)), max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu,
+        prefill_replicas=prefill_replicas, prefill=options)
+    app, cluster = build_cluster(config, address=args.address,
+                                 served_name=args.served_model_name)
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
@@ -271,12 +258,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             or args.transport or args.wiring or args.prefill_replicas is not None:
         return _serve_cluster(args)
     torch.set_num_threads(args.threads or 2)
-    try:
-        app = build_embedded(args.model, served_name=args.served_model_name,
-                             dtype=DTYPES[args.dtype], options=_engine_options(args))
-    except ValueError as err:   # bad prefill or prefix-cache settings, or maps: refuse to start
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    # bad prefill or prefix-cache settings, or maps: main() reports them, nothing starts
+    app = build_embedded(args.model, served_name=args.served_model_name,
+                         dtype=DTYPES[args.dtype], options=_engine_options(args))
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(embedded engine, {args.prefill_mode} prefill"
           f"{', prefix cache' if args.prefix_cache else ''})", file=sys.stderr, flush=True)
@@ -292,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="Hugging Face model directory")
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text prompt (needs tokenizer.json in --model)")
-    src.add_argument("--token-ids", help="comma-separated prompt token ids")
+    src.add_argument("--token-ids", type=_int_list, help="comma-separated prompt token ids")
     gen.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -315,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="quality harness: losses, agreement, needle retrieval")
     ev.add_argument("--model", required=True)
     ev.add_argument("--arms", default="exact", help="comma-separated registered arms")
-    ev.add_argument("--lengths", default="1024,2048")
+    ev.add_argument("--lengths", type=_int_list, default="1024,2048")
     ev.add_argument("--tasks", default="single,multikey,multivalue,word")
     ev.add_argument("--n-items", type=int, default=10, help="items per task and length")
     ev.add_argument("--n-docs", type=int, default=6, help="loss documents per length")
@@ -334,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit RidgeFill maps (streamed ridge regression)")
     cal.add_argument("--model", help="Hugging Face model directory")
-    cal.add_argument("--splits", required=True, help="comma-separated split layers, e.g. 4,6")
+    cal.add_argument("--splits", type=_int_list, required=True, help="comma-separated split layers, e.g. 4,6")
     cal.add_argument("--data", nargs="*", help="text files, one document each (default: the "
                                                "corpus's calibration split)")
     cal.add_argument("--max-docs", type=int, default=60, help="corpus documents to read")
@@ -479,7 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tune_process()          # freed memory kept, subnormals flushed: before any computing
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as err:
+        # bad settings, a missing file or checkpoint (every error class the commands raise
+        # for their input is a ValueError): one line, exit 2; SPLITSTACK_TRACEBACK=1 shows it
+        if os.environ.get("SPLITSTACK_TRACEBACK"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

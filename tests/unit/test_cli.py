@@ -4,11 +4,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from models import load_model
 from services.engine import GenerationParams, LLMEngine
+
+
+ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
 
 
 def run_cli(*args):
@@ -76,3 +81,39 @@ def test_apply_hybrid_rebuilds_from_the_given_delta(monkeypatch, tmp_path):
     assert main(["derive", "apply-hybrid", "--delta", "old.safetensors", "--threads", "1",
                  "--out", str(tmp_path / "m")]) in (0, None)
     assert seen == [(str(tmp_path / "m"), "old.safetensors")]
+
+
+def test_bad_input_is_one_error_line_not_a_traceback(tiny_checkpoint, tmp_path, capsys,
+                                                     monkeypatch):
+    """Every subcommand reports bad settings and missing files as `error: ...` and exit 2;
+    malformed integer lists are usage errors naming the option."""
+    from services.cli import main
+
+    path, _ = tiny_checkpoint("qwen3")
+    monkeypatch.delenv("SPLITSTACK_TRACEBACK", raising=False)
+    capsys.readouterr()                                   # the fixture's progress bars
+    cases = [
+        (["calibrate", "--model", str(tmp_path / "nowhere"), "--splits", "1", "--out",
+          str(tmp_path / "m")], "nowhere"),
+        (["eval", "--model", str(ZOO), "--arms", "ridgefill", "--lengths", "512"],
+         "needs calibrated maps"),
+        (["eval", "--model", str(ZOO), "--arms", "psychic"], "unknown arm"),
+        (["generate", "--model", str(path), "--token-ids", "1,2", "--max-tokens", "-3"],
+         "max_tokens"),
+        (["import-gguf", "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "o")],
+         "none.gguf"),
+    ]
+    for argv, needle in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.endswith("\n") and err.splitlines()[-1].startswith("error: "), err
+        assert needle in err and "Traceback" not in err, err
+    for argv in (["calibrate", "--model", str(path), "--splits", "a", "--out", "x"],
+                 ["eval", "--model", str(path), "--lengths", "1k"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert "expected comma-separated integers" in capsys.readouterr().err
+    monkeypatch.setenv("SPLITSTACK_TRACEBACK", "1")        # the traceback on request
+    with pytest.raises(ValueError, match="unknown arm"):
+        main(["eval", "--model", str(ZOO), "--arms", "psychic"])
