@@ -38,7 +38,7 @@ from services.attention.shard import KVShard
 from services.common.transport import Transport
 from services.engine.block_manager import SlotPool
 from services.engine.engine import PromptExport, StepOutput
-from services.engine.sequence import GenerationParams, RequestError
+from services.engine.sequence import GenerationParams, RequestError, check_prompt_ids
 
 
 @dataclass(eq=False)     # identity: membership tests must not compare tensors
@@ -105,8 +105,7 @@ class AttentionService:
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Refuse what this service can never run; reads only fixed sizes (any thread)."""
-        if not prompt_ids:
-            raise RequestError("prompt", prompt_ids, "must contain at least one token")
+        check_prompt_ids(prompt_ids, self.cfg.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_position_embeddings:
             raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")

@@ -24,7 +24,8 @@ from services.engine.kv_cache import CacheStorage
 from services.engine.prefix import PrefixReuse
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import GenerationParams, RequestError, Sequence, Status
+from services.engine.sequence import (GenerationParams, RequestError, Sequence, Status,
+                                      check_prompt_ids)
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -116,12 +117,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
                     seq_id: int | None = None) -> int:
-        vocab = self.model.config.vocab_size
-        if not prompt_ids:
-            raise RequestError("prompt", prompt_ids, "must contain at least one token")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {vocab})")
+        check_prompt_ids(prompt_ids, self.model.config.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestError("max_tokens", params.max_tokens,

@@ -17,6 +17,17 @@ class RequestError(ValueError):
         self.field, self.value = field_name, value
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """A prompt every engine can run: at least one token, each an id of the vocabulary
+    (an id outside it would index past the embedding table)."""
+    if not prompt_ids:
+        raise RequestError("prompt", prompt_ids, "must contain at least one token")
+    bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 16

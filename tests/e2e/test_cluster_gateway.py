@@ -122,6 +122,9 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 10 ** 7}, 400, "max_tokens"),
     ({"model": "smollm2-135m", "prompt": ""}, 400, "prompt"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    # out-of-vocabulary ids: the request's 400, not every pool replica failing (was a 500)
+    ({"model": "smollm2-135m", "prompt": [1, 49152], "max_tokens": 2}, 400, "prompt"),
+    ({"model": "smollm2-135m", "prompt": [-1], "max_tokens": 2}, 400, "prompt"),
     (b"{not json", 400, None),
 ])
 def test_bad_requests_get_4xx_and_service_keeps_serving(cluster, body, status, param):

@@ -9,6 +9,7 @@ from services.attention.service import AttentionService
 from services.attention.shard import KVShard
 from services.common.transport import PoolUnavailable, make_transport
 from services.engine import GenerationParams, LLMEngine
+from services.engine.sequence import RequestError
 from services.mlp_pool import MLPPool
 from tests.conftest import FAMILIES
 
@@ -127,4 +128,22 @@ def test_abort_frees_blocks_and_refuses_oversized_requests(tiny_checkpoint):
     assert sum(s.blocks.num_used for s in shards) > 0
     service.abort(rid)
     assert service.requests[rid].finish_reason == "abort" and not service.has_unfinished()
+    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
+
+
+def test_out_of_vocabulary_prompt_is_refused_before_the_pool(tiny_checkpoint):
+    """An id outside the vocabulary is the request's error (the gateway's 400), not a
+    failure of every pool replica that tries to embed it."""
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    service, shards, _ = build(model)
+    vocab = model.config.vocab_size
+    for bad in ([5, -1, 7], [vocab], [3, True]):
+        with pytest.raises(RequestError, match=r"token ids must be integers in \[0, "):
+            service.add_request(bad, GenerationParams(max_tokens=4))
+    assert not service.requests and not service.has_unfinished()
+    rid = service.add_request([1, 2, vocab - 1], GenerationParams(max_tokens=2, ignore_eos=True))
+    while service.has_unfinished():
+        service.step()
+    assert len(service.requests[rid].output_ids) == 2
     assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
