@@ -43,7 +43,7 @@ from services.common.step_driver import QueueDriver
 from services.common.tensor_codec import from_proto, to_proto
 from services.engine import GenerationParams, LLMEngine, PromptExport
 from services.prefill.metrics import PREFILL_BUCKETS
-from services.prefill.service import PrefillService, RemotePrefill
+from services.prefill.service import PREFILL_MODES, PrefillService, RemotePrefill
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
                 ("grpc.max_receive_message_length", 512 << 20)]
@@ -93,6 +93,9 @@ def prefill_params(opts: pb.PrefillOptions, num_tokens: int,
         except json.JSONDecodeError as err:
             raise PrefillRefused("ridgefill", f"ridgefill is not valid JSON: {err}") from err
     mode = opts.mode or None
+    if mode not in (None, *PREFILL_MODES):
+        raise PrefillRefused("prefill_mode", f"prefill_mode must be one of {PREFILL_MODES}, "
+                                             f"got {mode!r}")
     if service is None:
         if mode not in (None, "exact") or overrides:
             raise PrefillRefused("prefill_mode", "this deployment's prefill service has no "

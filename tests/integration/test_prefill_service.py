@@ -158,6 +158,9 @@ def test_refusals_name_the_field(tiny_checkpoint, servers):
     with pytest.raises(PrefillRefused) as exc:      # no maps on this replica
         client.prefill(prompts()[0], options_to_proto(RemotePrefill("ridgefill", None), None))
     assert exc.value.field == "prefill_mode"
+    with pytest.raises(PrefillRefused, match="must be one of") as exc:     # not "no maps"
+        client.prefill(prompts()[0], options_to_proto(RemotePrefill("fast", None), None))
+    assert exc.value.field == "prefill_mode"
     with pytest.raises(PrefillRefused) as exc:
         client.prefill(prompts()[0], pb.PrefillOptions(has_replay_ratio=True,
                                                         replay_ratio=1.5))
