@@ -119,7 +119,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from services.common.tokenizer import load_tokenizer
 
     if not args.model:
-        raise SystemExit("--model is required (unless --resolve)")
+        raise ValueError("--model is required (unless --resolve)")
     model = load_model(args.model, dtype=DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model)
     cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="fit RidgeFill maps (streamed ridge regression)")
     cal.add_argument("--model", help="Hugging Face model directory")
-    cal.add_argument("--splits", type=_int_list, required=True, help="comma-separated split layers, e.g. 4,6")
+    cal.add_argument("--splits", type=_int_list, required=True,
+                     help="comma-separated split layers, e.g. 4,6")
     cal.add_argument("--data", nargs="*", help="text files, one document each (default: the "
                                                "corpus's calibration split)")
     cal.add_argument("--max-docs", type=int, default=60, help="corpus documents to read")
