@@ -96,7 +96,8 @@ class Gateway:
     # ---- generation -----------------------------------------------------------------
     async def generate(self, ids: list[int], params: GenerationParams, stops: list[str],
                        arrival: float):
-        """Yields (delta_text, finish_reason | None); aborts the request when closed early."""
+        """Yields (delta_text, finish_reason | None, tokens generated so far); aborts the
+        request when closed early."""
         try:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
@@ -125,7 +126,7 @@ class Gateway:
                 if text.endswith("\ufffd") and reason is None:
                     continue                          # wait for the rest of a multibyte char
                 if len(text) > len(sent) or reason:
-                    yield text[len(sent):], reason
+                    yield text[len(sent):], reason, len(tokens)
                     sent = text
                 if reason:
                     finished = step.finished
@@ -194,11 +195,18 @@ def build_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-async def collect(stream) -> tuple[str, str | None]:
-    text, reason = "", None
-    async for delta, reason in stream:
+async def collect(stream) -> tuple[str, str | None, int]:
+    text, reason, n = "", None, 0
+    async for delta, reason, n in stream:
         text += delta
-    return text, reason
+    return text, reason, n
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI usage: completion tokens are those the model generated (an end-of-sequence
+    token and a stop string's tokens included), as vLLM counts them."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def until_disconnected(request: Request) -> None:
@@ -222,38 +230,44 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             await asyncio.gather(work, return_exceptions=True)
             await stream.aclose()
             return Response(status_code=499)
-        text, reason = work.result()
-        n = len(gateway.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+        text, reason, n = work.result()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": reason} if chat else
                   {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
         return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
-                "choices": [choice],
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": n,
-                          "total_tokens": len(ids) + n}}
+                "choices": [choice], "usage": usage(len(ids), n)}
     # validate before the 200 goes out: the first item raises APIError for a refused request
     first = await stream.__anext__()
 
     async def events():
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        # stream_options.include_usage: every chunk carries "usage": null and a last chunk
+        # with no choices carries the totals (OpenAI's streaming usage)
+        with_usage = req.stream_options is not None and req.stream_options.include_usage
+        head = {"id": rid, "object": chunk_obj, "created": created,
+                "model": gateway.model_name}
+
+        def chunk(choices: list, totals: dict | None = None) -> str:
+            return _sse({**head, "choices": choices,
+                         **({"usage": totals} if with_usage else {})})
+
         if chat:
-            yield _sse({"id": rid, "object": chunk_obj, "created": created,
-                        "model": gateway.model_name, "choices": [
-                            {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
-        item = first
+            yield chunk([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
+        item, n = first, 0
         try:
             while item is not None:
-                delta, reason = item
+                delta, reason, n = item
                 choice = ({"index": 0, "delta": {"content": delta} if delta else {},
                            "finish_reason": reason} if chat else
                           {"index": 0, "text": delta, "finish_reason": reason,
                            "logprobs": None})
-                yield _sse({"id": rid, "object": chunk_obj, "created": created,
-                            "model": gateway.model_name, "choices": [choice]})
+                yield chunk([choice])
                 item = await anext(stream, None)
         except APIError as exc:      # failed mid-stream (its attention service died, say)
             yield _sse(exc.body())
         else:
+            if with_usage:
+                yield chunk([], usage(len(ids), n))
             yield "data: [DONE]\n\n"
         finally:              # the client went away (or we finished): abort frees the KV
             await stream.aclose()

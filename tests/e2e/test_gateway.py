@@ -7,6 +7,9 @@ import httpx
 import openai
 import pytest
 
+from services.engine import GenerationParams, LLMEngine
+from services.gateway.protocol import ChatCompletionRequest
+
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -104,6 +107,35 @@ def test_bad_requests_get_openai_errors(server, body, status, param):
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert err["message"] and err["type"] and err["param"] == param
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_usage_counts_generated_tokens_and_streams_with_include_usage(server):
+    """usage.completion_tokens is the number of tokens generated (not the answer text
+    tokenized again), and `stream_options.include_usage` ends the stream with it."""
+    base, gateway = server
+    c = client(base)
+    fixed = c.completions.create(model=MODEL, prompt="Count: one, two,", max_tokens=6,
+                                 temperature=0, extra_body={"ignore_eos": True})
+    assert fixed.usage.completion_tokens == 6
+    assert fixed.usage.total_tokens == fixed.usage.prompt_tokens + 6
+    full = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24,
+                                     temperature=0)
+    assert full.choices[0].finish_reason == "stop"      # ended by the end-of-turn token
+    served = gateway.backend.engine       # driven by the server's thread: a second engine
+    ref = LLMEngine(served.model, eos_token_ids=served.eos_token_ids).generate(
+        [gateway.chat_ids(ChatCompletionRequest(model=MODEL, messages=QUESTION))],
+        GenerationParams(max_tokens=24))[0]
+    assert full.usage.completion_tokens == len(ref.output_ids)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in chunks[:-1]) and not chunks[-1].choices
+    assert chunks[-1].usage.model_dump() == full.usage.model_dump()
+    plain = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4,
+                                           temperature=0, stream=True))
+    assert all(ch.choices and ch.usage is None for ch in plain)     # no usage chunk unasked
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
