@@ -12,6 +12,7 @@ import torch
 
 from models.model import CausalLM
 from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.engine.kv_cache import CacheStorage
 
 ARMS: dict[str, type["Arm"]] = {}
 
@@ -54,8 +55,14 @@ class ExactArm(Arm):
 
     def __init__(self, model: CausalLM, **options):
         super().__init__(model, **options)
-        self.engine = LLMEngine(model, EngineConfig(max_num_batched_tokens=4096,
-                                                    max_prefill_chunk=4096, max_num_seqs=8))
+        # the default 256 MiB cache holds 5.8K tokens of SmolLM2: let it hold at least one
+        # item at the model's full context (longer items then run fewer at a time)
+        cfg, block = model.config, 16
+        per_block = CacheStorage.bytes_per_block(cfg, block, model.dtype)
+        full = per_block * -(-cfg.max_position_embeddings // block)
+        self.engine = LLMEngine(model, EngineConfig(
+            block_size=block, kv_cache_bytes=max(256 << 20, full), max_num_batched_tokens=4096,
+            max_prefill_chunk=4096, max_num_seqs=8))
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def clear_cache(self) -> None:

@@ -22,6 +22,8 @@ from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_ma
 from evals.tasks import TASKS, make_items
 from services.prefill.lexicon import Lexicon
 
+MAX_ANSWER_TOKENS = 40      # generated per item (multi-value; the other tasks take 14)
+
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -40,6 +42,9 @@ class EvalConfig:
             raise ValueError(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
         if any(n <= self.tail_len + 64 for n in self.lengths):
             raise ValueError(f"every length must exceed tail_len + 64 = {self.tail_len + 64}")
+        if self.n_items < 0 or self.n_docs < 0:
+            raise ValueError(f"n_items and n_docs must be ≥ 0, got {self.n_items} and "
+                             f"{self.n_docs}")
 
 
 @dataclass
@@ -92,7 +97,7 @@ def evaluate_losses(arm, exact_arm, docs: list[list[int]], cfg: EvalConfig, resu
 def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: ArmResult,
                        length: int) -> None:
     for task, items in items_by_task.items():
-        max_tokens = 40 if task == "multivalue" else 14
+        max_tokens = MAX_ANSWER_TOKENS if task == "multivalue" else 14
         outs = arm.complete([it.prompt_ids for it in items], max_tokens)
         for it, out in zip(items, outs):
             score = it.score(tokenizer.decode(out, skip_special_tokens=True))
@@ -111,6 +116,13 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir, dtype=dtype)
+    # an item's answer is generated after its prompt: both must fit the model's positions
+    too_long = [n for n in cfg.lengths
+                if n + MAX_ANSWER_TOKENS > model.config.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"lengths {too_long} leave no room for the answer in the model's "
+                         f"context ({model.config.max_position_embeddings} positions, "
+                         f"{MAX_ANSWER_TOKENS} kept for the answer)")
     # the probe arms' lexical net reads the tokenizer's pieces
     options = {"tail": cfg.tail_len, **(arm_options or {})}
     if any(name.endswith("+probe") for name in arm_names):

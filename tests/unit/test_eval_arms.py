@@ -42,3 +42,21 @@ def test_dense_reuse_is_exact(tiny_checkpoint):
     for name in ("zero-only", "tailreplay-5"):
         got = make_arm(name, model, tail=16).tail_logits(prompt, 16)
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_exact_arm_holds_an_item_at_the_full_context_and_configs_are_checked():
+    """The exact arm's engine fits one item at the model's whole context (SmolLM2's 8K is
+    past the engine's default 256 MiB cache, 5.8K tokens); bad eval sizes are refused."""
+    from pathlib import Path
+
+    from evals.run import EvalConfig
+    from services.engine import LLMEngine
+
+    zoo = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
+    model = load_model(zoo)
+    assert LLMEngine(model).max_model_len < 8192            # what the arm has to overcome
+    assert make_arm("exact", model).engine.max_model_len == 8192
+    with pytest.raises(ValueError, match="n_items and n_docs"):
+        EvalConfig(n_items=-1)
+    with pytest.raises(ValueError, match="tail_len"):
+        EvalConfig(lengths=(300,))
