@@ -63,9 +63,10 @@ class ClusterConfig:
                              f"got {self.transport!r}")
         if self.wiring not in (None, "standard", "qfirst"):
             raise ValueError(f"--wiring must be standard or qfirst, got {self.wiring!r}")
-        for name in ("attention_shards", "mlp_replicas", "kv_splits"):
+        for name in ("attention_shards", "mlp_replicas", "kv_splits", "block_size",
+                     "max_num_seqs", "threads", "kv_cache_bytes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.prefill_replicas < 0:
             raise ValueError("prefill_replicas must be at least 0")
         p = self.prefill

@@ -117,3 +117,28 @@ def test_bad_input_is_one_error_line_not_a_traceback(tiny_checkpoint, tmp_path, 
     monkeypatch.setenv("SPLITSTACK_TRACEBACK", "1")        # the traceback on request
     with pytest.raises(ValueError, match="unknown arm"):
         main(["eval", "--model", str(ZOO), "--arms", "psychic"])
+
+
+@pytest.mark.parametrize("flags, option", [
+    (["--kv-cache-gib", "-1"], "--kv-cache-gib"),
+    (["--kv-cache-gib", "nan"], "--kv-cache-gib"),
+    (["--attention-shards", "1", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--mlp-replicas", "0"], "--mlp-replicas"),         # was taken as the default, 1
+    (["--attention-shards", "0"], "--attention-shards"),   # was the embedded engine
+    (["--threads", "0"], "--threads"),
+    (["--port", "99999"], "--port"),
+])
+def test_serve_refuses_bad_sizes_before_starting_anything(flags, option, capsys):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--model", "unused", *flags])
+    assert exc.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_cluster_config_refuses_nonpositive_sizes():
+    from services.common.ray_deploy import ClusterConfig
+
+    for name in ("max_num_seqs", "kv_cache_bytes", "threads", "block_size"):
+        with pytest.raises(ValueError, match=name):
+            ClusterConfig(model="unused", **{name: 0})
