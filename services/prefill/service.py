@@ -73,7 +73,9 @@ class PrefillService:
                                     key_rescale=config.key_rescale,
                                     terminal_correction=config.terminal_correction,
                                     lexical=config.lexical)
-        if config.mode == "ridgefill":      # fail at startup, not on the first request
+        # fail at startup, not on the first request: the defaults serve every request that
+        # asks for RidgeFill, also when exact is the server's default mode
+        if config.mode == "ridgefill" or config.maps_dir:
             self.default.validate(self.L)
             self.maps(self.default.split)
 

@@ -452,6 +452,20 @@ def test_bad_settings_fail_before_work(four_layer, monkeypatch):
     assert not calls and not engine.has_unfinished()
 
 
+def test_server_defaults_are_checked_at_startup_whenever_maps_are_given(four_layer):
+    """With --maps, requests may ask for RidgeFill even when exact is the default mode:
+    bad defaults (or defaults without maps) refuse to start rather than fail every such
+    request."""
+    model, maps_dir = four_layer("qwen3")
+    for mode in ("exact", "ridgefill"):
+        with pytest.raises(FillError, match="budget"):
+            PrefillService(model, PrefillConfig(mode=mode, maps_dir=str(maps_dir), split=2,
+                                                tail=8, budget=5.0))
+        with pytest.raises(ValueError, match="split 3"):
+            PrefillService(model, PrefillConfig(mode=mode, maps_dir=str(maps_dir), split=3))
+    PrefillService(model, PrefillConfig(mode="exact", split=3, budget=5.0))   # no maps: unused
+
+
 def test_served_ridgefill_matches_the_eval_decode_and_frees_blocks(four_layer):
     """Engine + prefill service (the served path) == RidgeFill + greedy decode (eval)."""
     for family in ("qwen3", "qwen3_next"):
