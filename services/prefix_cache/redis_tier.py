@@ -6,8 +6,10 @@ so a replica pointing at the same Redis walks the chains another one inserted.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import redis
@@ -22,6 +24,19 @@ if TYPE_CHECKING:
     from services.prefix_cache.store import PrefixCacheConfig
 
 
+log = logging.getLogger(__name__)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
+
+
 class RedisTier:
     """Blocks and the child index in Redis. Never raises: a failure is counted, answered as
     a miss, and Redis is left alone for `redis_backoff_s`. Safe to call from any thread."""
@@ -33,6 +48,11 @@ class RedisTier:
             config.redis_url, socket_timeout=t, socket_connect_timeout=t,
             retry=Retry(NoBackoff(), 0), lib_name=None, lib_version=None)  # we back off instead
         self._down_until = 0.0
+        # say so at startup when Redis does not answer (the tier then works as misses, and
+        # `splitstack_prefix_cache_errors_total{tier="redis"}` counts the attempts)
+        if not self._call(lambda c: c.ping(), False):
+            log.warning("prefix cache: Redis at %s does not answer; the Redis tier serves "
+                        "misses until it does", redact(config.redis_url))
 
     def _key(self, kind: str, key: str) -> str:
         return f"{self.config.redis_prefix}:{kind}:{key}"

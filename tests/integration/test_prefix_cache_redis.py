@@ -121,9 +121,12 @@ def test_damaged_value_is_a_miss(make_cache, client, damage):
         assert hit.length == 50 and torch.equal(hit.kv(), kv)
 
 
-def test_redis_down_degrades_to_memory(make_cache):
-    url = f"redis://127.0.0.1:{free_port()}/0"
-    cache = make_cache(url=url, redis_backoff_s=600)
+def test_redis_down_degrades_to_memory(make_cache, caplog):
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"
+    with caplog.at_level("WARNING", logger="services.prefix_cache.redis_tier"):
+        cache = make_cache(url=url, redis_backoff_s=600)
+    said = " ".join(r.getMessage() for r in caplog.records)     # at startup, no password
+    assert "does not answer" in said and "hunter2" not in said and ":***@127.0.0.1" in said
     tokens = prompt(50)
     kv, hid, prov = rows(50)
     stored = cache.insert(tokens, kv, hid, prov)
