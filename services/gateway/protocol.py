@@ -66,7 +66,9 @@ class _Common(BaseModel):
         fields = {**(self.model_extra or {}), "logprobs": self.logprobs}
         for name, default in UNSUPPORTED.items():
             value = fields.get(name)
-            if value is not None and value not in default:
+            # completions' `logprobs: 0` asks for the sampled tokens' log-probs (0 == False)
+            asks = value is not False if name == "logprobs" else value not in default
+            if value is not None and asks:
                 raise APIError(400, f"{name} is not supported by this server (got {value!r})",
                                name)
 

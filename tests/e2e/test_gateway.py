@@ -85,6 +85,7 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
     # OpenAI fields not implemented are refused when they ask for something
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 2}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 0}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.5}, 400,
      "frequency_penalty"),
