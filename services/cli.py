@@ -23,7 +23,7 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
-def _at_least(low: float, kind=int, high: float | None = None):
+def _bounded(low: float, kind=int, high: float | None = None):
     """argparse type: a `kind` number in [low, high] (a port, a count, a size), refused as a
     usage error before anything starts."""
     def parse(text: str):
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--print-ids", action="store_true", help="also print the generated ids")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--threads", type=_at_least(1), default=2)
+    gen.add_argument("--threads", type=_bounded(1), default=2)
     gen.set_defaults(func=cmd_generate)
 
     imp = sub.add_parser("import-gguf", help="convert a GGUF checkpoint to an HF directory")
@@ -322,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--chat", action="store_true", help="wrap items in the chat template")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    ev.add_argument("--threads", type=_at_least(1), default=2)
+    ev.add_argument("--threads", type=_bounded(1), default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
     ev.add_argument("--maps", help="RidgeFill maps directory (for the fill arms)")
     ev.add_argument("--split", type=int, help="RidgeFill split S (default: half depth)")
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hybrids: prompts (apart from the map data) for ΔM")
     cal.add_argument("--terminal-tail", type=int, default=256)
     cal.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    cal.add_argument("--threads", type=_at_least(1), default=2)
+    cal.add_argument("--threads", type=_bounded(1), default=2)
     cal.add_argument("--out", required=True, help="maps directory")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -385,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--answer-weight", type=float,
                      help="hybrid: weight of the answer-token KL on retrieval items (default 1)")
     der.add_argument("--kl-lr", type=float, help="hybrid: learning rate of the logit stage")
-    der.add_argument("--threads", type=_at_least(1), default=2)
+    der.add_argument("--threads", type=_bounded(1), default=2)
     der.set_defaults(func=cmd_derive)
 
     cvt = sub.add_parser("convert-qfirst", help="rewire the query read point and fine-tune Wq "
@@ -401,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     cvt.add_argument("--eval-docs", type=int, default=16,
                      help="held-out documents, one window each")
     cvt.add_argument("--seed", type=int, default=0)
-    cvt.add_argument("--threads", type=_at_least(1), default=2)
+    cvt.add_argument("--threads", type=_bounded(1), default=2)
     cvt.set_defaults(func=cmd_convert_qfirst)
 
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -409,12 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None,
                      help="name clients use (default: the directory name)")
     srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=_at_least(1, int, 65535), default=8000)
+    srv.add_argument("--port", type=_bounded(1, int, 65535), default=8000)
     srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    srv.add_argument("--max-num-seqs", type=_at_least(1), default=16)
-    srv.add_argument("--kv-cache-gib", type=_at_least(1e-3, float), default=1.0,
+    srv.add_argument("--max-num-seqs", type=_bounded(1), default=16)
+    srv.add_argument("--kv-cache-gib", type=_bounded(1e-3, float), default=1.0,
                      help="memory for the paged KV cache; caps the context length")
-    srv.add_argument("--threads", type=_at_least(1), default=None,
+    srv.add_argument("--threads", type=_bounded(1), default=None,
                      help="torch threads (embedded: 2; per Ray actor: 1)")
     srv.add_argument("--log-level", default="info")
     qf = srv.add_argument_group("disaggregated Q-First decode on Ray (any of these flags "
@@ -423,11 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="attention services + MLP pool as Ray actors (defaults below)")
     qf.add_argument("--address", default=None,
                     help="join this Ray cluster instead of starting a local one")
-    qf.add_argument("--attention-shards", type=_at_least(1), default=None,
+    qf.add_argument("--attention-shards", type=_bounded(1), default=None,
                     help="attention services; each owns its requests and their KV (1)")
-    qf.add_argument("--kv-splits", type=_at_least(1), default=1,
+    qf.add_argument("--kv-splits", type=_bounded(1), default=1,
                     help="KV shards one sequence's cache is split over, per attention service")
-    qf.add_argument("--mlp-replicas", type=_at_least(1), default=None,
+    qf.add_argument("--mlp-replicas", type=_bounded(1), default=None,
                     help="MLP pool replicas (1)")
     qf.add_argument("--wiring", choices=["standard", "qfirst"], default=None,
                     help="default: what the checkpoint was trained for (it refuses others)")

@@ -95,8 +95,7 @@ class ChatMessage(BaseModel):
                     raise APIError(400, f"content part of type {part.get('type')!r} is not "
                                         f"supported: this server takes text parts only",
                                    "messages")
-            return "".join(part.get("text", "") for part in self.content
-                           if part.get("type") == "text")
+            return "".join(part.get("text", "") for part in self.content)
         return self.content or ""
 
 

@@ -32,7 +32,7 @@ def redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None:
         return url
-    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    host = (parts.hostname or "") + (f":{parts.port}" if parts.port else "")
     user = f"{parts.username}:***@" if parts.username else ":***@"
     return urlunsplit(parts._replace(netloc=user + host))
 
