@@ -1,7 +1,8 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
 
 `sample` takes one row of logits per sequence and one `SamplingParams` per row. Rows with
-temperature 0 are greedy. A seeded request owns a `torch.Generator` (created by the caller and
+temperature 0 are greedy. `top_logprobs` gives a row's most likely tokens with their
+log-probs (the OpenAI `logprobs` fields). A seeded request owns a `torch.Generator` (created by the caller and
 reused across steps) so its stream of tokens is reproducible regardless of batching.
 """
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+MAX_LOGPROBS = 20      # most alternatives a request may ask for per token (vLLM's default)
 
 
 class SamplingError(ValueError):
@@ -70,3 +74,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             probs = probs.cpu()                                # draws the same on any device
         tokens[i] = torch.multinomial(probs, 1, generator=gen)[0].to(tokens.device)
     return tokens, logprobs_all.gather(-1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """logits [V] -> the k most likely (token, log-prob), most likely first, of the model
+    distribution (before temperature / filtering, as `sample` reports the chosen token's)."""
+    if k <= 0:
+        return []
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist()))

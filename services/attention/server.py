@@ -38,7 +38,8 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
                               seed=req.seed if req.has_seed else None)
     return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
                             stop_token_ids=tuple(req.stop_token_ids),
-                            ignore_eos=req.ignore_eos)
+                            ignore_eos=req.ignore_eos,
+                            logprobs=req.logprobs if req.has_logprobs else None)
 
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
@@ -49,6 +50,8 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               has_seed=s.seed is not None, seed=s.seed or 0,
                               stop_token_ids=list(params.stop_token_ids),
                               ignore_eos=params.ignore_eos,
+                              has_logprobs=params.logprobs is not None,
+                              logprobs=params.logprobs or 0,
                               prefill=options_to_proto(params.prefill, params.replay_ratio))
 
 
@@ -97,7 +100,9 @@ class AttentionServicer(pb_grpc.AttentionServicer):
             yield pb.GenerateEvent(seq_id=seq_id, has_token=out.token is not None,
                                    token=out.token or 0, logprob=out.logprob or 0.0,
                                    finished=out.finished, finish_reason=out.finish_reason or "",
-                                   error=out.error or "")
+                                   error=out.error or "",
+                                   top_tokens=[t for t, _ in out.top_logprobs or ()],
+                                   top_logprobs=[lp for _, lp in out.top_logprobs or ()])
             if out.finished:
                 return
 

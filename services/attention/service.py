@@ -212,7 +212,8 @@ class AttentionService:
             self.release(r, "stop")
         elif len(r.output_ids) >= r.params.max_tokens:
             self.release(r, "length")
-        return StepOutput(r.seq_id, tok, logprob, r.finish_reason is not None, r.finish_reason)
+        return StepOutput(r.seq_id, tok, logprob, r.finish_reason is not None, r.finish_reason,
+                          top_logprobs=r.params.top_logprobs(logits))
 
     def _install(self, r: Request) -> StepOutput:
         """Store an admitted request's prefilled prompt and sample its first token; the

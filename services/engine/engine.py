@@ -58,6 +58,7 @@ class StepOutput:
     finish_reason: str | None
     error: str | None = None
     export: PromptExport | None = None   # `params.export_prompt`: with the first token
+    top_logprobs: list[tuple[int, float]] | None = None   # `params.logprobs`: (token, log-prob)
 
 
 @dataclass
@@ -248,7 +249,8 @@ class LLMEngine:
             if reason:
                 self._finish(seq, reason)
             results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
-                                      export=export))
+                                      export=export,
+                                      top_logprobs=seq.params.top_logprobs(logits[i])))
         return results
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import SamplingParams
+from kernels.sampling import MAX_LOGPROBS, SamplingParams, top_logprobs
 
 
 class RequestError(ValueError):
@@ -39,6 +39,8 @@ class GenerationParams:
     replay_ratio: float | None = None  # Tail-Replay r on a prefix-cache hit (None: the engine's)
     export_prompt: bool = False     # hand the prompt's KV, GDN states and logits back (the
                                     # prefill service's engine: decode continues elsewhere)
+    logprobs: int | None = None     # each token's k most likely alternatives with their
+                                    # log-probs (OpenAI `logprobs`); None: not asked
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -47,6 +49,14 @@ class GenerationParams:
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float))
                               or not 0.0 <= r <= 1.0):
             raise RequestError("replay_ratio", r, "must be a number in [0, 1]")
+        k = self.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k <= MAX_LOGPROBS):
+            raise RequestError("logprobs", k, f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    def top_logprobs(self, logits: torch.Tensor) -> list[tuple[int, float]] | None:
+        """The alternatives a step reports for this request (None when not asked)."""
+        return None if self.logprobs is None else top_logprobs(logits, self.logprobs)
 
 
 class Status(enum.Enum):

@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from typing import NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +20,8 @@ from prometheus_client import generate_latest
 
 from kernels.sampling import SamplingError, SamplingParams
 from services.engine import GenerationParams, RequestError
+from services.gateway.logprobs import (TokenLogprob, TokenText, chat_logprobs,
+                                       completion_logprobs)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        _Common)
@@ -40,6 +43,7 @@ class Gateway:
         self.remote_prefill = remote_prefill
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
+        self.words = TokenText(tokenizer)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics or GatewayMetrics()
@@ -61,7 +65,7 @@ class Gateway:
             sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
                                       top_p=req.top_p, seed=req.seed)
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
-                                    ignore_eos=req.ignore_eos,
+                                    ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),
                                     prefill=self.prefill_settings(req, prompt_len),
                                     replay_ratio=req.replay_ratio)
         except (SamplingError, RequestError) as exc:
@@ -96,14 +100,15 @@ class Gateway:
     # ---- generation -----------------------------------------------------------------
     async def generate(self, ids: list[int], params: GenerationParams, stops: list[str],
                        arrival: float):
-        """Yields (delta_text, finish_reason | None, tokens generated so far); aborts the
-        request when closed early."""
+        """Yields `Delta`s (new text, finish reason, tokens generated so far, and with
+        `params.logprobs` the new tokens' log-probs); aborts the request when closed early."""
         try:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
             raise APIError(400, str(exc), exc.field) from exc
         self.metrics.prompt_tokens.inc(len(ids))
         tokens: list[int] = []
+        pending: list[TokenLogprob] = []      # tokens not yet sent with a delta
         sent, last, finished = "", None, False
         try:
             while True:
@@ -118,6 +123,9 @@ class Gateway:
                     last = now
                     tokens.append(step.token)
                     self.metrics.generation_tokens.inc()
+                    if params.logprobs is not None:
+                        pending.append(TokenLogprob(step.token, step.logprob,
+                                                    list(step.top_logprobs or ())))
                 text = self.tokenizer.decode(tokens, skip_special_tokens=True)
                 reason = step.finish_reason if step.finished else None
                 hit = [text.find(s) for s in stops if s and s in text]
@@ -126,8 +134,8 @@ class Gateway:
                 if text.endswith("\ufffd") and reason is None:
                     continue                          # wait for the rest of a multibyte char
                 if len(text) > len(sent) or reason:
-                    yield text[len(sent):], reason, len(tokens)
-                    sent = text
+                    yield Delta(text[len(sent):], reason, len(tokens), pending)
+                    sent, pending = text, []
                 if reason:
                     finished = step.finished
                     self.metrics.e2e.observe(now - arrival)
@@ -195,11 +203,19 @@ def build_app(gateway: Gateway) -> FastAPI:
     return app
 
 
-async def collect(stream) -> tuple[str, str | None, int]:
-    text, reason, n = "", None, 0
-    async for delta, reason, n in stream:
-        text += delta
-    return text, reason, n
+class Delta(NamedTuple):
+    text: str
+    reason: str | None                 # the finish reason, on the last one
+    n: int                             # tokens generated so far
+    logprobs: list[TokenLogprob]       # the tokens since the previous delta (when asked)
+
+
+async def collect(stream) -> Delta:
+    text, entries, last = "", [], Delta("", None, 0, [])
+    async for last in stream:
+        text += last.text
+        entries += last.logprobs
+    return Delta(text, last.reason, last.n, entries)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -219,6 +235,17 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
     stream = gateway.generate(ids, params, req.stop_list(), arrival)
+    offset = 0                         # completions: where the next chunk's text starts
+
+    def logprobs_of(entries: list[TokenLogprob]) -> dict | None:
+        nonlocal offset
+        if params.logprobs is None:
+            return None
+        if chat:
+            return chat_logprobs(gateway.words, entries)
+        out, offset = completion_logprobs(gateway.words, entries, offset)
+        return out
+
     if not req.stream:
         # a client that hangs up before the answer is ready gets its request aborted too
         work = asyncio.ensure_future(collect(stream))
@@ -230,10 +257,11 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             await asyncio.gather(work, return_exceptions=True)
             await stream.aclose()
             return Response(status_code=499)
-        text, reason, n = work.result()
+        text, reason, n, entries = work.result()
         choice = ({"index": 0, "message": {"role": "assistant", "content": text},
                    "finish_reason": reason} if chat else
-                  {"index": 0, "text": text, "finish_reason": reason, "logprobs": None})
+                  {"index": 0, "text": text, "finish_reason": reason})
+        choice["logprobs"] = logprobs_of(entries)
         return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
                 "choices": [choice], "usage": usage(len(ids), n)}
     # validate before the 200 goes out: the first item raises APIError for a refused request
@@ -256,11 +284,11 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
         item, n = first, 0
         try:
             while item is not None:
-                delta, reason, n = item
+                delta, reason, n, entries = item
                 choice = ({"index": 0, "delta": {"content": delta} if delta else {},
                            "finish_reason": reason} if chat else
-                          {"index": 0, "text": delta, "finish_reason": reason,
-                           "logprobs": None})
+                          {"index": 0, "text": delta, "finish_reason": reason})
+                choice["logprobs"] = logprobs_of(entries)
                 yield chunk([choice])
                 item = await anext(stream, None)
         except APIError as exc:      # failed mid-stream (its attention service died, say)

@@ -176,9 +176,11 @@ class ClusterBackend:
                 if ev is grpc.aio.EOF:
                     break
                 finished = ev.finished
+                top = list(zip(ev.top_tokens, ev.top_logprobs)) if ev.has_token else None
                 queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
                                             ev.logprob if ev.has_token else None, ev.finished,
-                                            ev.finish_reason or None, ev.error or None))
+                                            ev.finish_reason or None, ev.error or None,
+                                            top_logprobs=top))
                 if finished:
                     return
             if not finished:

@@ -5,6 +5,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernels.sampling import MAX_LOGPROBS
+
 
 class APIError(Exception):
     """Turned into an OpenAI-style error body with `status`."""
@@ -27,7 +29,7 @@ class StreamOptions(BaseModel):
 # OpenAI (and vLLM) request fields not implemented here, each with the values that ask for
 # nothing (null is always accepted)
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (False,), "top_logprobs": (0,), "echo": (False,), "best_of": (1,),
+    "top_logprobs": (0,), "echo": (False,), "best_of": (1,),     # top_logprobs: chat only
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
     "logit_bias": ({},), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
@@ -48,7 +50,6 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
-    logprobs: bool | int | None = None
     ignore_eos: bool = False
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
     # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
@@ -62,15 +63,14 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         """Refuse OpenAI fields this server does not implement when they ask for something
         (a client that sends their defaults, e.g. `frequency_penalty: 0`, is served): an
-        ignored `logprobs` or `logit_bias` would return an answer to another request."""
-        fields = {**(self.model_extra or {}), "logprobs": self.logprobs}
+        ignored `echo` or `logit_bias` would return an answer to another request."""
+        fields = self.model_extra or {}
         for name, default in UNSUPPORTED.items():
             value = fields.get(name)
-            # completions' `logprobs: 0` asks for the sampled tokens' log-probs (0 == False)
-            asks = value is not False if name == "logprobs" else value not in default
-            if value is not None and asks:
-                raise APIError(400, f"{name} is not supported by this server (got {value!r})",
-                               name)
+            if value is not None and value not in default:
+                hint = ("a chat completions field; completions ask with `logprobs: k`"
+                        if name == "top_logprobs" else "not supported by this server")
+                raise APIError(400, f"{name} is {hint} (got {value!r})", name)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -78,8 +78,25 @@ class _Common(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+    def logprobs_k(self) -> int | None:
+        """How many alternatives each generated token reports (None: no log-probs)."""
+        raise NotImplementedError
+
+
 class CompletionRequest(_Common):
     prompt: str | list[int]
+    # the sampled token's log-prob and this many alternatives (OpenAI's legacy integer;
+    # false and null ask for none)
+    logprobs: bool | int | None = None
+
+    def logprobs_k(self) -> int | None:
+        k = self.logprobs
+        if k is None or k is False:
+            return None
+        if k is True or not 0 <= k <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be an integer in [0, {MAX_LOGPROBS}] "
+                                f"(got {k!r})", "logprobs")
+        return k
 
 
 class ChatMessage(BaseModel):
@@ -102,3 +119,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_k(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0

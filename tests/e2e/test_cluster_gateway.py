@@ -116,6 +116,30 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
         assert f'splitstack_pool_batch_rows_bucket{{le="1.0",service="{address}"}}' in metrics
 
 
+def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
+    """`logprobs` over the disaggregated path: the attention service ranks the pool's
+    logits, the alternatives cross gRPC and the gateway formats them; the values are the
+    exact engine's (same tokens, log-probs within float error of the merged attention)."""
+    base, handles = cluster
+    ids = prompt_ids()[2]
+    seq = LLMEngine(load_model(ZOO)).generate([ids], GenerationParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True, return_logits=True))[0]
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    lp = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=MAX_TOKENS,
+                                   temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    tok = load_tokenizer(ZOO)
+    assert lp.tokens == [tok.decode([t]) for t in seq.output_ids]
+    for t, got, top, logits in zip(seq.output_ids, lp.token_logprobs, lp.top_logprobs,
+                                   seq.logits):
+        row = torch.log_softmax(logits.float(), -1)
+        best = row.topk(2)
+        assert abs(got - row[t].item()) < 1e-3
+        assert list(top) == [tok.decode([i]) for i in best.indices.tolist()]
+        assert max(abs(a - b) for a, b in zip(top.values(), best.values.tolist())) < 1e-3
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -125,6 +149,8 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     # out-of-vocabulary ids: the request's 400, not every pool replica failing (was a 500)
     ({"model": "smollm2-135m", "prompt": [1, 49152], "max_tokens": 2}, 400, "prompt"),
     ({"model": "smollm2-135m", "prompt": [-1], "max_tokens": 2}, 400, "prompt"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400,
+     "logprobs"),
     (b"{not json", 400, None),
 ])
 def test_bad_requests_get_4xx_and_service_keeps_serving(cluster, body, status, param):

@@ -4,11 +4,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import torch
 import openai
 import pytest
 
 from services.engine import GenerationParams, LLMEngine
-from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -83,16 +84,21 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": -1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "logprobs": True,
+      "top_logprobs": 21}, 400, "top_logprobs"),
     # OpenAI fields not implemented are refused when they ask for something
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 2}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 0}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.5}, 400,
      "frequency_penalty"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 5}}, 400,
      "logit_bias"),
-    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "logprobs": True}, 400,
-     "logprobs"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2,
       "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "tool_choice": "required",
@@ -216,3 +222,76 @@ def test_request_without_max_tokens_uses_the_remaining_context(server):
     eng = gateway.backend.engine
     assert models["max_model_len"] == eng.max_model_len
     assert eng.blocks.blocks_for(eng.max_model_len) <= eng.blocks.num_blocks
+
+
+def reference_logprobs(gateway, ids: list[int], max_tokens: int):
+    """Greedy tokens and each step's log-softmax from a second engine on the served model."""
+    served = gateway.backend.engine
+    seq = LLMEngine(served.model, eos_token_ids=served.eos_token_ids).generate(
+        [ids], GenerationParams(max_tokens=max_tokens, return_logits=True))[0]
+    return seq.output_ids, [torch.log_softmax(lg.float(), -1) for lg in seq.logits]
+
+
+def test_completion_logprobs_are_the_models_own_and_stream_the_same(server):
+    base, gateway = server
+    c = client(base)
+    prompt = "The capital of France is"
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                logprobs=3, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    tokens, ref = reference_logprobs(gateway, ids, 6)
+    words = gateway.words
+    assert lp.tokens == [words.text(t) for t in tokens]
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for t, got, top, row in zip(tokens, lp.token_logprobs, lp.top_logprobs, ref):
+        assert abs(got - row[t].item()) < 1e-4
+        best = row.topk(3)
+        assert list(top) == [words.text(i) for i in best.indices.tolist()]   # greedy: in it
+        assert max(abs(top[words.text(i)] - v) for i, v in
+                   zip(best.indices.tolist(), best.values.tolist())) < 1e-4
+    streamed = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                         temperature=0, logprobs=3, stream=True,
+                                         extra_body={"ignore_eos": True}))
+    joined = {k: sum((getattr(ch.choices[0].logprobs, k) for ch in streamed), [])
+              for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined == {k: getattr(lp, k) for k in joined}
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_chat_logprobs_cover_every_token_and_their_bytes_spell_the_answer(server):
+    """One entry per generated token (the end-of-turn token included, as usage counts
+    them), the asked number of alternatives, and `bytes` that join into the answer's UTF-8
+    even where a token holds only part of a character."""
+    base, gateway = server
+    c = client(base)
+    for messages in (QUESTION, [{"role": "user", "content": "Say 日本"}]):
+        resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                         temperature=0, logprobs=True, top_logprobs=2)
+        content = resp.choices[0].logprobs.content
+        assert len(content) == resp.usage.completion_tokens
+        special = {gateway.words.text(t) for t in gateway.tokenizer.all_special_ids}
+        spelled = b"".join(bytes(e.bytes) for e in content if e.token not in special)
+        assert spelled.decode("utf-8") == resp.choices[0].message.content
+        for e in content:
+            assert [a.logprob for a in e.top_logprobs] == sorted(
+                (a.logprob for a in e.top_logprobs), reverse=True)
+            assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob
+        streamed = [ch.choices[0].logprobs.content
+                    for ch in c.chat.completions.create(
+                        model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                        logprobs=True, top_logprobs=2, stream=True)
+                    if ch.choices and ch.choices[0].logprobs]
+        assert [e.model_dump() for part in streamed for e in part] == [
+            e.model_dump() for e in content]
+    assert any(e.token == "\ufffd" for e in content)     # a part of a character was there
+    only = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3,
+                                     temperature=0, logprobs=True)
+    assert all(e.top_logprobs == [] for e in only.choices[0].logprobs.content)
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -150,6 +150,36 @@ def test_max_tokens_must_be_positive():
         GenerationParams(max_tokens=0)
 
 
+@pytest.mark.parametrize("k", [-1, 21, 2.0, True])
+def test_logprobs_must_be_a_small_count(k):
+    with pytest.raises(RequestError, match="logprobs"):
+        GenerationParams(logprobs=k)
+
+
+def test_steps_report_the_asked_alternatives_of_the_models_distribution(tiny_checkpoint):
+    """`logprobs=k`: every step's output holds the k most likely tokens of the logits the
+    token was sampled from, with their log-probs; requests that do not ask get None."""
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path)
+    eng = LLMEngine(model)
+    sampled = GenerationParams(max_tokens=6, ignore_eos=True, return_logits=True, logprobs=3,
+                               sampling=SamplingParams(temperature=1.0, seed=3))
+    asked = eng.add_request([5, 6, 7, 8], sampled)
+    plain = eng.add_request([9, 10], GenerationParams(max_tokens=6, ignore_eos=True))
+    outs = {asked: [], plain: []}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs[out.seq_id].append(out)
+    assert all(o.top_logprobs is None for o in outs[plain])
+    seq = eng.seqs[asked]
+    assert [o.token for o in outs[asked]] == seq.output_ids
+    for out, logits in zip(outs[asked], seq.logits):
+        ref = torch.log_softmax(logits.float(), -1)
+        assert [t for t, _ in out.top_logprobs] == ref.topk(3).indices.tolist()
+        assert all(abs(lp - ref[t].item()) < 1e-5 for t, lp in out.top_logprobs)
+        assert abs(out.logprob - ref[out.token].item()) < 1e-5
+
+
 def test_seeded_sampling_is_batch_independent(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     model = load_model(path)

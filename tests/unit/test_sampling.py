@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import SamplingError, SamplingParams, filter_logits, sample
+from kernels.sampling import (SamplingError, SamplingParams, filter_logits, sample,
+                              top_logprobs)
 
 
 def test_greedy_picks_argmax_and_reports_logprob():
@@ -50,3 +51,16 @@ def test_low_temperature_concentrates():
 def test_invalid_params_raise(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_model_distribution():
+    logits = torch.tensor([1.0, 3.0, -2.0, 2.5, 0.0])
+    ref = torch.log_softmax(logits, -1)
+    top = top_logprobs(logits, 3)
+    assert [t for t, _ in top] == [1, 3, 0]
+    assert all(abs(lp - ref[t].item()) < 1e-6 for t, lp in top)
+    assert top_logprobs(logits, 0) == []
+    assert len(top_logprobs(logits, 50)) == 5            # k above the vocabulary: all of it
+    # the sampled token's own log-prob (reported by `sample`) is on the same scale
+    tok, lp = sample(logits[None], [SamplingParams()])
+    assert tok.item() == top[0][0] and abs(lp.item() - top[0][1]) < 1e-6
