@@ -32,7 +32,8 @@ def one_step(transport, model, batch: int) -> float:
     transport.call("stage", 0, torch.randint(0, 1000, (batch,)), pos)
     for layer in range(1, model.config.num_hidden_layers):
         transport.call("stage", layer, torch.randn(batch, h), pos)
-    transport.call("final", torch.randn(batch, h), [SamplingParams()] * batch, [None] * batch)
+    transport.call("final", torch.randn(batch, h), [SamplingParams()] * batch, [None] * batch,
+                   None)
     return time.perf_counter() - start
 
 

@@ -1,18 +1,24 @@
 """Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
 
 `sample` takes one row of logits per sequence and one `SamplingParams` per row. Rows with
-temperature 0 are greedy. `top_logprobs` gives a row's most likely tokens with their
+temperature 0 are greedy. Logit bias and the repetition / frequency / presence penalties
+change the logits a token is chosen from (greedy ones too), in vLLM's order; the penalties
+read the request's tokens, which the caller passes per row (`histories`). `top_logprobs` gives a row's most likely tokens with their
 log-probs (the OpenAI `logprobs` fields). A seeded request owns a `torch.Generator` (created by the caller and
 reused across steps) so its stream of tokens is reproducible regardless of batching.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
 MAX_LOGPROBS = 20      # most alternatives a request may ask for per token (vLLM's default)
+MAX_LOGIT_BIAS = 100.0    # OpenAI's range for a logit bias value: [-100, 100]
+MAX_PENALTY = 2.0         # OpenAI's range for presence / frequency penalties: [-2, 2]
 
 
 class SamplingError(ValueError):
@@ -25,6 +31,11 @@ class SamplingParams:
     top_k: int = 0            # 0 = disabled
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0     # subtracted once from each token generated so far
+    frequency_penalty: float = 0.0    # subtracted once per time a token was generated
+    repetition_penalty: float = 1.0   # tokens of the prompt or the output: a positive logit
+                                      # divided by it, a negative one multiplied (HF, vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()    # (token, added to its logit)
 
     def __post_init__(self):
         if not (self.temperature >= 0.0):
@@ -33,10 +44,62 @@ class SamplingParams:
             raise SamplingError(f"top_k must be >= 0, got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise SamplingError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                    f"got {getattr(self, name)!r}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise SamplingError(f"repetition_penalty must be > 0, got "
+                                f"{self.repetition_penalty!r}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise SamplingError(f"logit_bias keys must be token ids, got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                    f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Reads the request's tokens (`sample` needs its history)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+History = tuple[Sequence[int], Sequence[int]]     # a request's (prompt ids, output ids)
+
+
+def process_logits(logits: torch.Tensor, p: SamplingParams,
+                   history: History | None = None) -> torch.Tensor:
+    """One row [V]: logit bias, then the repetition penalty over the prompt's and output's
+    tokens, then the frequency and presence penalties over the output's (vLLM's order).
+    Returns `logits` itself when `p` changes nothing."""
+    if not p.logit_bias and not p.penalized:
+        return logits
+    if p.penalized and history is None:
+        raise ValueError("penalties need the request's tokens (history)")
+    logits = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+        logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias],
+                                               dtype=logits.dtype, device=logits.device))
+    if not p.penalized:
+        return logits
+    prompt, output = history
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
+        if seen.numel():
+            v = logits[seen]
+            logits[seen] = torch.where(v > 0, v / p.repetition_penalty,
+                                       v * p.repetition_penalty)
+    if output and (p.presence_penalty or p.frequency_penalty):
+        counts = torch.bincount(torch.tensor(list(output), device=logits.device),
+                                minlength=logits.shape[-1]).to(logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -55,19 +118,25 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None] | None = None):
+           generators: list[torch.Generator | None] | None = None,
+           histories: list[History | None] | None = None):
     """logits [B, V] -> (tokens [B] long, logprobs [B] fp32 of the chosen tokens).
 
-    Logprobs are those of the model distribution (before temperature / filtering), as the
-    OpenAI API reports them.
+    `histories[i]`: row i's request tokens, needed when its params have penalties.
+    Logprobs are those of the model distribution (before bias, penalties, temperature and
+    filtering), as vLLM reports them by default.
     """
     logits = logits.float()
     logprobs_all = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
+        base = logits[i]
+        row = process_logits(base, p, histories[i] if histories else None)
         if p.greedy:
+            if row is not base:
+                tokens[i] = row.argmax()
             continue
-        row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p)
+        row = filter_logits(row / p.temperature, p.top_k, p.top_p)
         gen = generators[i] if generators else None
         probs = row.softmax(-1)
         if gen is not None and gen.device != probs.device:   # a request's CPU generator

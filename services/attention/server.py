@@ -17,6 +17,7 @@ from kernels.sampling import SamplingError, SamplingParams
 from services.attention.service import AttentionService
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.sampling_codec import processing_fields, processing_from
 from services.common.step_driver import QueueDriver
 from services.engine import GenerationParams, RequestError, StepOutput
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
@@ -35,7 +36,8 @@ class StepLoop(QueueDriver):
 
 def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              seed=req.seed if req.has_seed else None)
+                              seed=req.seed if req.has_seed else None,
+                              **processing_from(req))
     return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
                             stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos,
@@ -50,6 +52,7 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               has_seed=s.seed is not None, seed=s.seed or 0,
                               stop_token_ids=list(params.stop_token_ids),
                               ignore_eos=params.ignore_eos,
+                              **processing_fields(s),
                               has_logprobs=params.logprobs is not None,
                               logprobs=params.logprobs or 0,
                               prefill=options_to_proto(params.prefill, params.replay_ratio))

@@ -38,7 +38,7 @@ from services.attention.shard import KVShard
 from services.common.transport import Transport
 from services.engine.block_manager import SlotPool
 from services.engine.engine import PromptExport, StepOutput
-from services.engine.sequence import GenerationParams, RequestError, check_prompt_ids
+from services.engine.sequence import GenerationParams, RequestError, check_request
 
 
 @dataclass(eq=False)     # identity: membership tests must not compare tensors
@@ -105,7 +105,7 @@ class AttentionService:
 
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Refuse what this service can never run; reads only fixed sizes (any thread)."""
-        check_prompt_ids(prompt_ids, self.cfg.vocab_size)
+        check_request(prompt_ids, params, self.cfg.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_position_embeddings:
             raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")
@@ -227,7 +227,7 @@ class AttentionService:
                 self.conv[:, r.state_slot] = ex.conv
                 self.rec[:, r.state_slot] = ex.recurrent
             tokens, logprobs = sample(ex.logits[None].float(), [r.params.sampling],
-                                      [r.generator])
+                                      [r.generator], [(r.prompt_ids, r.output_ids)])
         except Exception as exc:  # noqa: BLE001 — this request only
             error = f"{type(exc).__name__}: {exc}"
             self.release(r, "error", error)
@@ -257,7 +257,8 @@ class AttentionService:
         last = torch.tensor([i for i, s in enumerate(seq_ids)
                              if i + 1 == len(seq_ids) or seq_ids[i + 1] != s], device=dev)
         return self.pool.call("final", u[last], [r.params.sampling for r in batch],
-                              [r.generator for r in batch])
+                              [r.generator for r in batch],
+                              [(r.prompt_ids, r.output_ids) for r in batch])
 
     def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model

@@ -11,6 +11,7 @@ import torch
 from models.gdn import GDNInputs
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.sampling_codec import history_fields, processing_fields
 from services.common.tensor_codec import from_proto, to_proto
 from services.common.transport import TRANSPORTS, Pending, Transport
 from services.mlp_pool.pool import StageOutput
@@ -66,12 +67,13 @@ class GrpcTransport(Transport):
             return pb.PoolRequest(id=rid, stage=pb.StageCall(layer=layer, u=to_proto(u),
                                                              positions=to_proto(positions)))
         if method == "final":
-            u, params, generators = args
+            u, params, generators, histories = args
             return pb.PoolRequest(id=rid, final=pb.FinalCall(u=to_proto(u), params=[
                 pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                   generator_state=(g.get_state().numpy().tobytes()
-                                                   if g is not None else b""))
-                for p, g in zip(params, generators)]))
+                                                   if g is not None else b""),
+                                  **processing_fields(p), **history_fields(p, h))
+                for p, g, h in zip(params, generators, histories or [None] * len(params))]))
         raise ValueError(f"unknown pool method {method!r}")
 
     def _decode(self, replica: PoolStream, reply: pb.PoolReply, args):

@@ -130,9 +130,9 @@ class NcclTransport(GrpcTransport):
                                  stage=pb.StageCall(layer=layer, u=meta(u),
                                                     positions=meta(positions)))
         elif method == "final":
-            u, params, generators = args
+            u = args[0]
             sent = [u]
-            req = super()._encode(method, (u, params, generators))
+            req = super()._encode(method, args)
             req.nccl_peer = replica.peer_name
             req.final.u.CopyFrom(meta(u))
         else:

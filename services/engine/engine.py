@@ -25,7 +25,7 @@ from services.engine.prefix import PrefixReuse
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.sequence import (GenerationParams, RequestError, Sequence, Status,
-                                      check_prompt_ids)
+                                      check_request)
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -118,7 +118,7 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
                     seq_id: int | None = None) -> int:
-        check_prompt_ids(prompt_ids, self.model.config.vocab_size)
+        check_request(prompt_ids, params, self.model.config.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
             raise RequestError("max_tokens", params.max_tokens,
@@ -234,7 +234,8 @@ class LLMEngine:
             return []
         seqs = [c.seq for c in sampling]
         tokens, logprobs = sample(logits, [s.params.sampling for s in seqs],
-                                  [s.generator for s in seqs])
+                                  [s.generator for s in seqs],
+                                  [(s.prompt_ids, s.output_ids) for s in seqs])
         results = []
         for i, seq in enumerate(seqs):
             tok, lp = int(tokens[i]), float(logprobs[i])

@@ -28,6 +28,14 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
         raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {vocab_size})")
 
 
+def check_request(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:
+    """What depends on the model's vocabulary: the prompt's ids and the logit bias's."""
+    check_prompt_ids(prompt_ids, vocab_size)
+    bad = [t for t, _ in params.sampling.logit_bias if t >= vocab_size]
+    if bad:
+        raise RequestError("logit_bias", bad[:4], f"token ids must be in [0, {vocab_size})")
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 16

@@ -63,7 +63,11 @@ class Gateway:
             temperature = (self.default_temperature if req.temperature is None
                            else req.temperature)
             sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
-                                      top_p=req.top_p, seed=req.seed)
+                                      top_p=req.top_p, seed=req.seed,
+                                      presence_penalty=req.presence_penalty,
+                                      frequency_penalty=req.frequency_penalty,
+                                      repetition_penalty=req.repetition_penalty,
+                                      logit_bias=req.logit_bias_pairs())
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),
                                     prefill=self.prefill_settings(req, prompt_len),

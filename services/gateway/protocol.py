@@ -1,11 +1,11 @@
 """OpenAI-compatible request bodies and the OpenAI-style error body."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kernels.sampling import MAX_LOGPROBS
+from kernels.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 
 class APIError(Exception):
@@ -30,11 +30,13 @@ class StreamOptions(BaseModel):
 # nothing (null is always accepted)
 UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (0,), "echo": (False,), "best_of": (1,),     # top_logprobs: chat only
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-    "logit_bias": ({},), "suffix": ("",), "tools": ([],), "functions": ([],),
+    "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "min_tokens": (0,),
 }
+
+
+_Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class _Common(BaseModel):
@@ -50,6 +52,11 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)          # vLLM's extension
+    # token id (a string, as JSON keys are) -> value added to its logit
+    logit_bias: dict[str, _Bias] | None = None
     ignore_eos: bool = False
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
     # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
@@ -71,6 +78,16 @@ class _Common(BaseModel):
                 hint = ("a chat completions field; completions ask with `logprobs: k`"
                         if name == "top_logprobs" else "not supported by this server")
                 raise APIError(400, f"{name} is {hint} (got {value!r})", name)
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key) if key.strip().isdigit() else -1
+            if token < 0:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
+                               "logit_bias")
+            pairs.append((token, value))
+        return tuple(sorted(pairs))
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

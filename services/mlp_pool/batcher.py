@@ -56,8 +56,8 @@ class BatchingPool:
     def stage(self, layer: int, u: torch.Tensor, positions: torch.Tensor) -> StageOutput:
         return self._enqueue(("stage", layer), (u, positions)).result()
 
-    def final(self, u: torch.Tensor, params, generators):
-        return self._enqueue(("final",), (u, params, generators)).result()
+    def final(self, u: torch.Tensor, params, generators, histories=None):
+        return self._enqueue(("final",), (u, params, generators, histories)).result()
 
     def stop(self) -> None:
         with self._cv:
@@ -98,7 +98,8 @@ class BatchingPool:
         else:
             params = [p for args, _ in calls for p in args[1]]
             gens = [g for args, _ in calls for g in args[2]]
-            tokens, logprobs, logits = self.pool.final(u, params, gens)
+            histories = [h for args, _ in calls for h in (args[3] or [None] * len(args[1]))]
+            tokens, logprobs, logits = self.pool.final(u, params, gens, histories)
             parts = list(zip(tokens.split(sizes), logprobs.split(sizes), logits.split(sizes)))
         if self.metrics is not None:
             self.metrics.observe(key[0], time.perf_counter() - start, u.shape[0], len(calls))

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kernels.sampling import SamplingParams
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.common.sampling_codec import history_from, processing_from
 from services.common.tensor_codec import from_proto, to_proto
 from services.mlp_pool.pool import MLPPool
 
@@ -37,10 +38,11 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
             if out.gdn is None:
                 return self._reply(req.id, "attn", (out.z, out.k, out.v), link)
             return self._reply(req.id, "gdn", (out.z, *out.gdn), link)
-        params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
-                  for p in req.final.params]
+        params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                                 **processing_from(p)) for p in req.final.params]
         gens = [_generator(p.generator_state) for p in req.final.params]
-        tokens, logprobs, logits = self.pool.final(get(req.final.u), params, gens)
+        histories = [history_from(p) for p in req.final.params]
+        tokens, logprobs, logits = self.pool.final(get(req.final.u), params, gens, histories)
         states = [g.get_state().numpy().tobytes() if g is not None else b"" for g in gens]
         return self._reply(req.id, "final", (tokens, logprobs, logits), link, states)
 

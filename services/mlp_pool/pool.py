@@ -55,10 +55,11 @@ class MLPPool:
 
     @torch.inference_mode()
     def final(self, u: torch.Tensor, params: list[SamplingParams],
-              generators: list[torch.Generator | None]):
-        """u [N, h] (input of the last feed-forward) -> (tokens [N], logprobs [N], logits)."""
+              generators: list[torch.Generator | None], histories: list | None = None):
+        """u [N, h] (input of the last feed-forward) -> (tokens [N], logprobs [N], logits).
+        `histories`: each row's request tokens, (prompt, output), for its penalties."""
         self.calls += 1
         m = self.model
         logits = m.final(m.mlp(m.config.num_hidden_layers - 1, u)).float()
-        tokens, logprobs = sample(logits, params, generators)
+        tokens, logprobs = sample(logits, params, generators, histories)
         return tokens, logprobs, logits

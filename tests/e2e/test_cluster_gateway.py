@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.common.ray_deploy import ClusterConfig
 from services.common.tokenizer import load_tokenizer
@@ -140,6 +141,30 @@ def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 
+def test_penalties_and_logit_bias_reach_the_pool(cluster, ray_session):
+    """Penalties and logit bias cross gateway -> attention service -> pool (with the
+    request's tokens on each final call): the same tokens as the exact engine."""
+    base, handles = cluster
+    ids = prompt_ids()[0]
+    model = load_model(ZOO)
+    first = LLMEngine(model).generate([ids], GenerationParams(max_tokens=1))[0].output_ids[0]
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    tok = load_tokenizer(ZOO)
+    for temperature, seed in ((0.0, None), (0.9, 5)):
+        sampling = SamplingParams(temperature=temperature, seed=seed, presence_penalty=0.2,
+                                  frequency_penalty=0.4, repetition_penalty=1.3,
+                                  logit_bias=((first, -100.0),))
+        ref = LLMEngine(model).generate([ids], GenerationParams(
+            max_tokens=MAX_TOKENS, ignore_eos=True, sampling=sampling))[0].output_ids
+        got = client.completions.create(
+            model="smollm2-135m", prompt=ids, max_tokens=MAX_TOKENS, temperature=temperature,
+            seed=seed, presence_penalty=0.2, frequency_penalty=0.4,
+            logit_bias={str(first): -100},
+            extra_body={"ignore_eos": True, "repetition_penalty": 1.3}).choices[0].text
+        assert got == tok.decode(ref, skip_special_tokens=True) and ref[0] != first
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
@@ -151,6 +176,8 @@ def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
     ({"model": "smollm2-135m", "prompt": [-1], "max_tokens": 2}, 400, "prompt"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400,
      "logprobs"),
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 1}},
+     400, "logit_bias"),
     (b"{not json", 400, None),
 ])
 def test_bad_requests_get_4xx_and_service_keeps_serving(cluster, body, status, param):

@@ -8,6 +8,7 @@ import torch
 import openai
 import pytest
 
+from kernels.sampling import SamplingParams
 from services.engine import GenerationParams, LLMEngine
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -95,10 +96,16 @@ def test_completion_with_token_ids_stop_and_seed(server):
       "top_logprobs": 21}, 400, "top_logprobs"),
     # OpenAI fields not implemented are refused when they ask for something
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 0.5}, 400,
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 2.5}, 400,
      "frequency_penalty"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 5}}, 400,
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"one": 5}}, 400,
      "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 5}}, 400,
+     "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 500}}, 400,
+     "logit_bias.1"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2,
       "response_format": {"type": "json_object"}}, 400, "response_format"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "tool_choice": "required",
@@ -293,5 +300,35 @@ def test_chat_logprobs_cover_every_token_and_their_bytes_spell_the_answer(server
     only = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3,
                                      temperature=0, logprobs=True)
     assert all(e.top_logprobs == [] for e in only.choices[0].logprobs.content)
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_penalties_and_logit_bias_change_the_answer_as_the_engine_does(server):
+    """A looping answer ("1. 1\n2. 2\n...") under each penalty and a logit bias, against a
+    second engine on the served model with the same sampling settings."""
+    base, gateway = server
+    c = client(base)
+    messages = [{"role": "user", "content": "List the numbers from one to ten."}]
+    ids = gateway.chat_ids(ChatCompletionRequest(model=MODEL, messages=messages))
+    served = gateway.backend.engine
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                      temperature=0).choices[0].message.content
+    newline = gateway.tokenizer("\n", add_special_tokens=False)["input_ids"][0]
+    # the model is sure enough of its loop that a presence penalty of 2 alone keeps it
+    # (every repeated token's logit leads by more than 2): that row checks equality only
+    for body, sampling, changes in [
+            ({"extra_body": {"repetition_penalty": 1.3}}, SamplingParams(repetition_penalty=1.3),
+             True),
+            ({"frequency_penalty": 1.5}, SamplingParams(frequency_penalty=1.5), True),
+            ({"presence_penalty": 2.0}, SamplingParams(presence_penalty=2.0), False),
+            ({"logit_bias": {str(newline): -100}}, SamplingParams(logit_bias=((newline, -100),)),
+             True)]:
+        got = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                        temperature=0, **body).choices[0].message.content
+        ref = LLMEngine(served.model, eos_token_ids=served.eos_token_ids).generate(
+            [ids], GenerationParams(max_tokens=24, sampling=sampling))[0]
+        assert got == gateway.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
+        assert (got != plain) == changes, body
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import SamplingParams
+from kernels.sampling import SamplingParams, process_logits
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
 from tests.conftest import FAMILIES
@@ -249,3 +249,33 @@ def test_export_prompt_hands_back_kv_states_and_logits(tiny_checkpoint):
     assert (ex.conv - states.conv).abs().max() <= 5e-5
     assert (ex.logits - logits[-1]).abs().max() <= 1e-4
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+PENALIZED = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3,
+                           logit_bias=((7, 4.0), (9, -100.0)))
+
+
+def test_penalties_and_bias_choose_from_the_processed_logits(tiny_checkpoint):
+    """Each greedy token is the argmax of the step's logits after bias and penalties over
+    the request's tokens so far; the run differs from the plain one."""
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    prompt = [3, 4, 5, 7, 7]
+    params = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True,
+                              sampling=PENALIZED)
+    seq = LLMEngine(model).generate([prompt], params)[0]
+    for i, logits in enumerate(seq.logits):
+        row = process_logits(logits.float(), PENALIZED, (prompt, seq.output_ids[:i]))
+        assert seq.output_ids[i] == row.argmax().item()
+    assert 9 not in seq.output_ids
+    plain = LLMEngine(model).generate([prompt], GenerationParams(max_tokens=10,
+                                                                 ignore_eos=True))[0]
+    assert plain.output_ids != seq.output_ids
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(engine_qwen35):
+    vocab = engine_qwen35.model.config.vocab_size
+    with pytest.raises(RequestError) as err:
+        engine_qwen35.add_request([1, 2], GenerationParams(
+            sampling=SamplingParams(logit_bias=((vocab, 1.0),))))
+    assert err.value.field == "logit_bias" and not engine_qwen35.has_unfinished()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.service import AttentionService
 from services.attention.shard import KVShard
@@ -47,6 +48,22 @@ def test_matches_exact_engine(family, num_shards, replicas, tiny_checkpoint):
         assert all(shard.blocks.num_blocks for shard in shards)
     if replicas == 2:
         assert all(p.calls > 0 for p in pools)
+
+
+def test_penalties_and_bias_give_the_exact_engines_tokens(tiny_checkpoint):
+    """The pool samples with the request's tokens handed over on each final call."""
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path)
+    params = GenerationParams(max_tokens=12, ignore_eos=True, sampling=SamplingParams(
+        temperature=0.8, seed=4, repetition_penalty=1.3, frequency_penalty=0.5,
+        presence_penalty=0.5, logit_bias=((11, 3.0),)))
+    ref = LLMEngine(model).generate(prompts(), params)
+    service, _, _ = build(model, num_shards=2, replicas=2)
+    got = service.generate(prompts(), params)
+    assert [r.output_ids for r in got] == [s.output_ids for s in ref]
+    plain = LLMEngine(model).generate(prompts(), GenerationParams(
+        max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0.8, seed=4)))
+    assert [s.output_ids for s in plain] != [s.output_ids for s in ref]
 
 
 def test_shards_hold_disjoint_positions(tiny_checkpoint):

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import (SamplingError, SamplingParams, filter_logits, sample,
-                              top_logprobs)
+from kernels.sampling import (SamplingError, SamplingParams, filter_logits, process_logits,
+                              sample, top_logprobs)
 
 
 def test_greedy_picks_argmax_and_reports_logprob():
@@ -64,3 +64,32 @@ def test_top_logprobs_are_the_most_likely_tokens_of_the_model_distribution():
     # the sampled token's own log-prob (reported by `sample`) is on the same scale
     tok, lp = sample(logits[None], [SamplingParams()])
     assert tok.item() == top[0][0] and abs(lp.item() - top[0][1]) < 1e-6
+
+
+def test_bias_then_repetition_then_frequency_and_presence_penalties():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5])
+    p = SamplingParams(logit_bias=((1, 5.0),), repetition_penalty=2.0, frequency_penalty=0.5,
+                       presence_penalty=0.1)
+    got = process_logits(logits, p, history=([0, 4], [3, 3, 2]))
+    # token 1: biased, never seen; 0 and 4 (prompt): divided / multiplied by 2; 3 and 2
+    # (output, 2x and 1x): divided by 2, then 0.5 per time and 0.1 once
+    want = torch.tensor([1.0, 4.0, 0.25 - 0.5 - 0.1, 1.5 - 1.0 - 0.1, -1.0])
+    assert torch.allclose(got, want)
+    assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5]))   # not in place
+    tok, lp = sample(logits[None], [p], histories=[([0, 4], [3, 3, 2])])
+    assert tok.item() == 1                                  # greedy over the processed row
+    assert abs(lp.item() - torch.log_softmax(logits, -1)[1].item()) < 1e-6   # raw log-prob
+    plain = SamplingParams()
+    assert process_logits(logits, plain) is logits and sample(logits[None], [plain])[0] == 3
+    with pytest.raises(ValueError, match="history"):
+        sample(logits[None], [SamplingParams(presence_penalty=1.0)])
+
+
+@pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3},
+                                    {"repetition_penalty": 0.0},
+                                    {"repetition_penalty": float("nan")},
+                                    {"logit_bias": ((3, 101.0),)}, {"logit_bias": ((-1, 1.0),)},
+                                    {"logit_bias": ((True, 1.0),)}])
+def test_bad_processing_params_raise(kwargs):
+    with pytest.raises(SamplingError):
+        SamplingParams(**kwargs)
