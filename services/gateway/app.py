@@ -11,6 +11,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import replace
 from typing import NamedTuple
 
 from fastapi import FastAPI, Request
@@ -74,6 +75,20 @@ class Gateway:
                                     replay_ratio=req.replay_ratio)
         except (SamplingError, RequestError) as exc:
             raise APIError(400, str(exc)) from exc
+
+    def candidates(self, req: _Common, params: GenerationParams) -> list[GenerationParams]:
+        """One engine request per completion to generate (`n`, or completions' `best_of`).
+        A seeded request's candidates draw with seed, seed + 1, ..., each reproducible; for
+        `best_of` the sampled tokens' log-probs are kept to rank them, asked for or not."""
+        count = req.candidates()
+        if count == 1:
+            return [params]
+        if count > req.n and params.logprobs is None:
+            params = replace(params, logprobs=0)
+        seed = params.sampling.seed
+        return [params if seed is None else
+                replace(params, sampling=replace(params.sampling, seed=_next_seed(seed, i)))
+                for i in range(count)]
 
     def prefill_settings(self, req: _Common, prompt_len: int):
         if self.remote_prefill:
@@ -238,38 +253,88 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    stream = gateway.generate(ids, params, req.stop_list(), arrival)
-    offset = 0                         # completions: where the next chunk's text starts
+    report = params.logprobs is not None
+    n = req.n
+    streams = [gateway.generate(ids, p, req.stop_list(), arrival)
+               for p in gateway.candidates(req, params)]
+    offsets = [0] * len(streams)       # completions: where each choice's next text starts
 
-    def logprobs_of(entries: list[TokenLogprob]) -> dict | None:
-        nonlocal offset
-        if params.logprobs is None:
+    def logprobs_of(i: int, entries: list[TokenLogprob]) -> dict | None:
+        if not report:
             return None
         if chat:
             return chat_logprobs(gateway.words, entries)
-        out, offset = completion_logprobs(gateway.words, entries, offset)
+        out, offsets[i] = completion_logprobs(gateway.words, entries, offsets[i])
         return out
 
+    async def close_all() -> None:     # aborts whatever is still generating, frees its KV
+        await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+
     if not req.stream:
-        # a client that hangs up before the answer is ready gets its request aborted too
-        work = asyncio.ensure_future(collect(stream))
+        # a client that hangs up before the answer is ready gets its requests aborted too
+        work = asyncio.ensure_future(asyncio.gather(*(collect(s) for s in streams)))
         watch = asyncio.ensure_future(until_disconnected(request))
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         watch.cancel()
         if not work.done():
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            await stream.aclose()
+            await close_all()
             return Response(status_code=499)
-        text, reason, n, entries = work.result()
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "finish_reason": reason} if chat else
-                  {"index": 0, "text": text, "finish_reason": reason})
-        choice["logprobs"] = logprobs_of(entries)
+        if work.exception() is not None:      # one refused or failed: the others stop too
+            await close_all()
+            raise work.exception()
+        results = list(work.result())
+        spent = sum(r.n for r in results)
+        if len(results) > n:       # best_of: the n with the highest log-probability
+            results = sorted(results, key=lambda r: -sum(e.logprob for e in r.logprobs))[:n]
+        choices = []
+        for i, r in enumerate(results):
+            choice = ({"index": i, "message": {"role": "assistant", "content": r.text},
+                       "finish_reason": r.reason} if chat else
+                      {"index": i, "text": r.text, "finish_reason": r.reason})
+            choice["logprobs"] = logprobs_of(i, r.logprobs)
+            choices.append(choice)
         return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
-                "choices": [choice], "usage": usage(len(ids), n)}
-    # validate before the 200 goes out: the first item raises APIError for a refused request
-    first = await stream.__anext__()
+                "choices": choices, "usage": usage(len(ids), spent)}
+    # validate before the 200 goes out: a refused request raises APIError on its first item
+    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+    refused = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if refused is not None:
+        await close_all()
+        raise refused
+
+    async def merged():
+        """(choice index, Delta) as each choice's come, after the first ones; an APIError
+        when a choice fails."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for item in streams[i]:
+                    await queue.put((i, item))
+            except APIError as exc:
+                await queue.put((i, exc))
+            finally:
+                await queue.put((i, None))
+
+        for i, item in enumerate(firsts):
+            yield i, item
+        live = [i for i, item in enumerate(firsts) if item.reason is None]
+        tasks = [asyncio.ensure_future(pump(i)) for i in live]
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live.remove(i)
+                elif isinstance(item, APIError):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def events():
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
@@ -284,27 +349,34 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
                          **({"usage": totals} if with_usage else {})})
 
         if chat:
-            yield chunk([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
-        item, n = first, 0
+            for i in range(len(streams)):
+                yield chunk([{"index": i, "delta": {"role": "assistant"},
+                              "finish_reason": None}])
+        spent = [0] * len(streams)
         try:
-            while item is not None:
-                delta, reason, n, entries = item
-                choice = ({"index": 0, "delta": {"content": delta} if delta else {},
+            async for i, (delta, reason, tokens, entries) in merged():
+                spent[i] = tokens
+                choice = ({"index": i, "delta": {"content": delta} if delta else {},
                            "finish_reason": reason} if chat else
-                          {"index": 0, "text": delta, "finish_reason": reason})
-                choice["logprobs"] = logprobs_of(entries)
+                          {"index": i, "text": delta, "finish_reason": reason})
+                choice["logprobs"] = logprobs_of(i, entries)
                 yield chunk([choice])
-                item = await anext(stream, None)
         except APIError as exc:      # failed mid-stream (its attention service died, say)
             yield _sse(exc.body())
         else:
             if with_usage:
-                yield chunk([], usage(len(ids), n))
+                yield chunk([], usage(len(ids), sum(spent)))
             yield "data: [DONE]\n\n"
         finally:              # the client went away (or we finished): abort frees the KV
-            await stream.aclose()
+            await close_all()
 
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _next_seed(seed: int, i: int) -> int:
+    """seed + i, wrapped into torch's seed range [-2**63, 2**64)."""
+    s = seed + i
+    return s - 2**64 if s >= 2**64 else s
 
 
 def _sse(payload: dict) -> str:

@@ -7,6 +7,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernels.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
+MAX_CHOICES = 16          # most candidates one request may generate (`n`, `best_of`)
+
 
 class APIError(Exception):
     """Turned into an OpenAI-style error body with `status`."""
@@ -29,12 +31,16 @@ class StreamOptions(BaseModel):
 # OpenAI (and vLLM) request fields not implemented here, each with the values that ask for
 # nothing (null is always accepted)
 UNSUPPORTED: dict[str, tuple] = {
-    "top_logprobs": (0,), "echo": (False,), "best_of": (1,),     # top_logprobs: chat only
+    "top_logprobs": (0,), "best_of": (1,),     # chat: best_of; completions: top_logprobs
+    "echo": (False,),
     "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "min_tokens": (0,),
 }
 
+# fields of the other endpoint
+HINTS = {"top_logprobs": "a chat completions field; completions ask with `logprobs: k`",
+         "best_of": "a completions field; chat completions take `n`"}
 
 _Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
@@ -51,7 +57,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float = Field(default=1.0, gt=0.0)          # vLLM's extension
@@ -75,8 +81,7 @@ class _Common(BaseModel):
         for name, default in UNSUPPORTED.items():
             value = fields.get(name)
             if value is not None and value not in default:
-                hint = ("a chat completions field; completions ask with `logprobs: k`"
-                        if name == "top_logprobs" else "not supported by this server")
+                hint = HINTS.get(name, "not supported by this server")
                 raise APIError(400, f"{name} is {hint} (got {value!r})", name)
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -99,12 +104,28 @@ class _Common(BaseModel):
         """How many alternatives each generated token reports (None: no log-probs)."""
         raise NotImplementedError
 
+    def candidates(self) -> int:
+        """How many completions to generate: `n`, or completions' `best_of`."""
+        return self.n
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
     # the sampled token's log-prob and this many alternatives (OpenAI's legacy integer;
     # false and null ask for none)
     logprobs: bool | int | None = None
+    # generate this many and return the n with the highest log-probability (not streamed)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+
+    def candidates(self) -> int:
+        if self.best_of is None:
+            return self.n
+        if self.best_of < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})",
+                           "best_of")
+        if self.stream and self.best_of > self.n:
+            raise APIError(400, "best_of > n cannot be streamed", "best_of")
+        return self.best_of
 
     def logprobs_k(self) -> int | None:
         k = self.logprobs

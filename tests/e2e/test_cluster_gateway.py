@@ -165,6 +165,25 @@ def test_penalties_and_logit_bias_reach_the_pool(cluster, ray_session):
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 
+def test_n_choices_over_the_cluster(cluster, ray_session):
+    """n = 3 seeded choices, each its own request on the attention services: seed + i."""
+    base, handles = cluster
+    ids = prompt_ids()[3]
+    model = load_model(ZOO)
+    refs = LLMEngine(model).generate([ids] * 3, [GenerationParams(
+        max_tokens=MAX_TOKENS, ignore_eos=True,
+        sampling=SamplingParams(temperature=1.0, seed=21 + i)) for i in range(3)])
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    resp = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=MAX_TOKENS,
+                                     temperature=1.0, seed=21, n=3,
+                                     extra_body={"ignore_eos": True})
+    tok = load_tokenizer(ZOO)
+    assert [ch.text for ch in sorted(resp.choices, key=lambda ch: ch.index)] == [
+        tok.decode(r.output_ids, skip_special_tokens=True) for r in refs]
+    assert resp.usage.completion_tokens == 3 * MAX_TOKENS
+    assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),

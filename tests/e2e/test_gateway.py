@@ -85,6 +85,11 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "seed": 2**70}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 2, "stream": True}, 400,
+     "best_of"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "best_of": 2}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": -1}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": True}, 400, "logprobs"),
@@ -179,11 +184,12 @@ def test_malformed_json_then_still_serving(server):
     assert ok.choices[0].text is not None
 
 
-def test_client_disconnect_aborts_and_frees_kv(server):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_aborts_and_frees_kv(server, n):
     base, gateway = server
     aborted = gateway.metrics.requests.labels("abort")._value.get()
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "n": n}
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
@@ -192,7 +198,7 @@ def test_client_disconnect_aborts_and_frees_kv(server):
         assert gateway.backend.engine.has_unfinished()
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
-    assert gateway.metrics.requests.labels("abort")._value.get() == aborted + 1
+    assert gateway.metrics.requests.labels("abort")._value.get() == aborted + n
 
 
 def test_metrics_exported(server):
@@ -330,5 +336,57 @@ def test_penalties_and_logit_bias_change_the_answer_as_the_engine_does(server):
             [ids], GenerationParams(max_tokens=24, sampling=sampling))[0]
         assert got == gateway.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
         assert (got != plain) == changes, body
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def seeded_runs(gateway, ids, seeds, max_tokens, ignore_eos=False):
+    served = gateway.backend.engine
+    engine = LLMEngine(served.model, eos_token_ids=served.eos_token_ids)
+    return engine.generate([ids] * len(seeds), [GenerationParams(
+        max_tokens=max_tokens, ignore_eos=ignore_eos,
+        sampling=SamplingParams(temperature=1.0, seed=s)) for s in seeds])
+
+
+def test_n_choices_are_seed_plus_index_runs_streamed_or_not(server):
+    """`n`: one request per choice; with `seed`, choice i draws as a request with seed + i
+    (each reproducible); usage counts every choice's tokens; streamed chunks carry their
+    choice's index and join into the same texts."""
+    base, gateway = server
+    c = client(base)
+    messages = [{"role": "user", "content": "Tell me a fruit."}]
+    resp = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                     temperature=1.0, seed=7, n=3)
+    ids = gateway.chat_ids(ChatCompletionRequest(model=MODEL, messages=messages))
+    refs = seeded_runs(gateway, ids, [7, 8, 9], 10)
+    texts = [ch.message.content for ch in sorted(resp.choices, key=lambda ch: ch.index)]
+    assert texts == [gateway.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+                     for r in refs]
+    assert len(set(texts)) > 1
+    assert resp.usage.completion_tokens == sum(len(r.output_ids) for r in refs)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                            temperature=1.0, seed=7, n=3, stream=True,
+                                            stream_options={"include_usage": True}))
+    joined = ["".join(ch.choices[0].delta.content or "" for ch in chunks
+                      if ch.choices and ch.choices[0].index == i) for i in range(3)]
+    assert joined == texts and chunks[-1].usage.model_dump() == resp.usage.model_dump()
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason) == 3
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_best_of_returns_the_most_likely_candidates(server):
+    base, gateway = server
+    prompt = "My favourite fruit is"
+    resp = client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                           temperature=1.0, seed=3, n=2, best_of=5,
+                                           extra_body={"ignore_eos": True})
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    refs = seeded_runs(gateway, ids, range(3, 8), 6, ignore_eos=True)
+    ranked = sorted(refs, key=lambda r: -sum(r.logprobs))
+    assert [ch.text for ch in resp.choices] == [
+        gateway.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in ranked[:2]]
+    assert all(ch.logprobs is None for ch in resp.choices)       # ranked by, not reported
+    assert resp.usage.completion_tokens == 5 * 6                 # every candidate's tokens
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
