@@ -65,9 +65,9 @@ class Gateway:
                            else req.temperature)
             sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
                                       top_p=req.top_p, seed=req.seed,
-                                      presence_penalty=req.presence_penalty,
-                                      frequency_penalty=req.frequency_penalty,
-                                      repetition_penalty=req.repetition_penalty,
+                                      presence_penalty=req.presence_penalty or 0.0,
+                                      frequency_penalty=req.frequency_penalty or 0.0,
+                                      repetition_penalty=req.repetition_penalty or 1.0,
                                       logit_bias=req.logit_bias_pairs())
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),

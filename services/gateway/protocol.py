@@ -32,8 +32,7 @@ class StreamOptions(BaseModel):
 # nothing (null is always accepted)
 UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (0,), "best_of": (1,),     # chat: best_of; completions: top_logprobs
-    "echo": (False,),
-    "suffix": ("",), "tools": ([],), "functions": ([],),
+    "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "min_tokens": (0,),
 }
@@ -58,9 +57,10 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)          # vLLM's extension
+    # null: none (0, 0 and 1)
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)   # vLLM's extension
     # token id (a string, as JSON keys are) -> value added to its logit
     logit_bias: dict[str, _Bias] | None = None
     ignore_eos: bool = False
@@ -75,8 +75,8 @@ class _Common(BaseModel):
 
     def check_supported(self) -> None:
         """Refuse OpenAI fields this server does not implement when they ask for something
-        (a client that sends their defaults, e.g. `frequency_penalty: 0`, is served): an
-        ignored `echo` or `logit_bias` would return an answer to another request."""
+        (a client that sends their defaults, e.g. `echo: false`, is served): an ignored
+        `echo` or `tools` would return an answer to another request."""
         fields = self.model_extra or {}
         for name, default in UNSUPPORTED.items():
             value = fields.get(name)
@@ -98,7 +98,6 @@ class _Common(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
 
     def logprobs_k(self) -> int | None:
         """How many alternatives each generated token reports (None: no log-probs)."""

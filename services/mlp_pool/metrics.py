@@ -59,5 +59,6 @@ class MeteredPool:
     def stage(self, layer, u, positions):
         return self._timed("stage", u.shape[0], self.pool.stage, layer, u, positions)
 
-    def final(self, u, params, generators):
-        return self._timed("final", u.shape[0], self.pool.final, u, params, generators)
+    def final(self, u, params, generators, histories=None):
+        return self._timed("final", u.shape[0], self.pool.final, u, params, generators,
+                           histories)

@@ -159,12 +159,14 @@ def test_usage_counts_generated_tokens_and_streams_with_include_usage(server):
     assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_unimplemented_fields_at_their_defaults_are_served(server):
+def test_fields_at_their_defaults_are_served(server):
     """Clients that send every field (LangChain and others send the penalties as 0 and
-    `logprobs: false`) get an answer; so do the extreme seeds torch accepts."""
+    `logprobs: false`; some send null) get an answer; so do the extreme seeds torch
+    accepts."""
     base, gateway = server
-    defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
-                "top_logprobs": 0, "n": 1, "logit_bias": {}, "tool_choice": "none",
+    defaults = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": None,
+                "logprobs": False, "top_logprobs": 0, "n": 1, "best_of": 1,
+                "logit_bias": {}, "echo": False, "tool_choice": "none",
                 "response_format": {"type": "text"}, "user": "u1"}
     for seed in (2**64 - 1, -(2**63)):
         resp = httpx.post(base + "/v1/chat/completions", timeout=60, json={
