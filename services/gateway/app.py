@@ -182,7 +182,9 @@ def build_app(gateway: Gateway) -> FastAPI:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return JSONResponse(APIError(400, "request body is not valid JSON").body(), 400)
-        loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        # `param` names the top-level field (OpenAI's); the message has the whole path
+        loc = first.get("loc", ())
+        loc = str(loc[1]) if len(loc) > 1 else None
         msg = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
         return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
 

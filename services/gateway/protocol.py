@@ -24,7 +24,14 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# Request bodies are validated strictly: JSON's own types only, so `"max_tokens": true`,
+# `"stream": "yes"` or `"temperature": "0.5"` are a 400 rather than coerced to 1, True or 0.5
+# (an integer is still a valid float)
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
@@ -45,7 +52,7 @@ _Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None)
@@ -137,6 +144,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict] | None = None
 
