@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -69,26 +70,34 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
-History = tuple[Sequence[int], Sequence[int]]     # a request's (prompt ids, output ids)
+class History(NamedTuple):
+    """What a row's logit processing reads of its request at this step."""
+    prompt: Sequence[int]              # the repetition penalty's tokens, with `output`
+    output: Sequence[int]              # the tokens generated so far
+    banned: Sequence[int] = ()         # tokens it may not sample now (the end-of-sequence
+                                       # and stop tokens before `min_tokens`)
 
 
 def process_logits(logits: torch.Tensor, p: SamplingParams,
                    history: History | None = None) -> torch.Tensor:
     """One row [V]: logit bias, then the repetition penalty over the prompt's and output's
-    tokens, then the frequency and presence penalties over the output's (vLLM's order).
-    Returns `logits` itself when `p` changes nothing."""
-    if not p.logit_bias and not p.penalized:
+    tokens, then the frequency and presence penalties over the output's (vLLM's order),
+    with the banned tokens at -inf. Returns `logits` itself when nothing changes it."""
+    banned = history.banned if history is not None else ()
+    if not p.logit_bias and not p.penalized and not banned:
         return logits
     if p.penalized and history is None:
         raise ValueError("penalties need the request's tokens (history)")
     logits = logits.clone()
+    if banned:
+        logits[torch.tensor(list(banned), device=logits.device)] = float("-inf")
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
         logits.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias],
                                                dtype=logits.dtype, device=logits.device))
     if not p.penalized:
         return logits
-    prompt, output = history
+    prompt, output = history.prompt, history.output
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
         if seen.numel():

@@ -41,7 +41,8 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
     return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
                             stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos,
-                            logprobs=req.logprobs if req.has_logprobs else None)
+                            logprobs=req.logprobs if req.has_logprobs else None,
+                            min_tokens=req.min_tokens)
 
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
@@ -52,7 +53,7 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               has_seed=s.seed is not None, seed=s.seed or 0,
                               stop_token_ids=list(params.stop_token_ids),
                               ignore_eos=params.ignore_eos,
-                              **processing_fields(s),
+                              **processing_fields(s), min_tokens=params.min_tokens,
                               has_logprobs=params.logprobs is not None,
                               logprobs=params.logprobs or 0,
                               prefill=options_to_proto(params.prefill, params.replay_ratio))

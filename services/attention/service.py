@@ -208,7 +208,7 @@ class AttentionService:
         r.output_ids.append(tok)
         if r.params.return_logits:
             r.logits.append(logits.clone())
-        if tok in r.params.stop_token_ids or (not r.params.ignore_eos and tok in self.eos):
+        if r.params.stops(r.output_ids, tok, self.eos):
             self.release(r, "stop")
         elif len(r.output_ids) >= r.params.max_tokens:
             self.release(r, "length")
@@ -227,7 +227,8 @@ class AttentionService:
                 self.conv[:, r.state_slot] = ex.conv
                 self.rec[:, r.state_slot] = ex.recurrent
             tokens, logprobs = sample(ex.logits[None].float(), [r.params.sampling],
-                                      [r.generator], [(r.prompt_ids, r.output_ids)])
+                                      [r.generator],
+                                      [r.params.history(r.prompt_ids, r.output_ids, self.eos)])
         except Exception as exc:  # noqa: BLE001 — this request only
             error = f"{type(exc).__name__}: {exc}"
             self.release(r, "error", error)
@@ -258,7 +259,8 @@ class AttentionService:
                              if i + 1 == len(seq_ids) or seq_ids[i + 1] != s], device=dev)
         return self.pool.call("final", u[last], [r.params.sampling for r in batch],
                               [r.generator for r in batch],
-                              [(r.prompt_ids, r.output_ids) for r in batch])
+                              [r.params.history(r.prompt_ids, r.output_ids, self.eos)
+                               for r in batch])
 
     def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model

@@ -23,18 +23,18 @@ def processing_from(msg) -> dict:
 
 
 def history_fields(p: SamplingParams, history: History | None) -> dict:
-    """What `p`'s penalties read of `history`, as the pool's message fields."""
-    if history is None or not p.penalized:
+    """What `p`'s processing reads of `history`, as the pool's message fields."""
+    if history is None:
         return {}
-    prompt, output = history
-    seen = sorted({*prompt, *output}) if p.repetition_penalty != 1.0 else []
-    return {"seen_ids": seen, "output_ids": list(output)}
+    fields = {"banned_ids": list(history.banned)}
+    if p.penalized:
+        fields["output_ids"] = list(history.output)
+        if p.repetition_penalty != 1.0:
+            fields["seen_ids"] = sorted({*history.prompt, *history.output})
+    return fields
 
 
-def history_from(msg) -> History | None:
-    """The (tokens, output) a pool row's penalties read; the distinct tokens stand for the
-    prompt, which is all the repetition penalty needs of it."""
-    if not (msg.presence_penalty or msg.frequency_penalty
-            or msg.repetition_penalty not in (0.0, 1.0)):
-        return None
-    return list(msg.seen_ids), list(msg.output_ids)
+def history_from(msg) -> History:
+    """What a pool row's processing reads; the distinct tokens stand for the prompt, which
+    is all the repetition penalty needs of it."""
+    return History(list(msg.seen_ids), list(msg.output_ids), list(msg.banned_ids))

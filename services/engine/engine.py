@@ -235,7 +235,8 @@ class LLMEngine:
         seqs = [c.seq for c in sampling]
         tokens, logprobs = sample(logits, [s.params.sampling for s in seqs],
                                   [s.generator for s in seqs],
-                                  [(s.prompt_ids, s.output_ids) for s in seqs])
+                                  [s.params.history(s.prompt_ids, s.output_ids,
+                                                    self.eos_token_ids) for s in seqs])
         results = []
         for i, seq in enumerate(seqs):
             tok, lp = int(tokens[i]), float(logprobs[i])
@@ -256,7 +257,7 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        if p.stops(seq.output_ids, tok, self.eos_token_ids):
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

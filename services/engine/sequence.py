@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import MAX_LOGPROBS, SamplingParams, top_logprobs
+from kernels.sampling import MAX_LOGPROBS, History, SamplingParams, top_logprobs
 
 
 class RequestError(ValueError):
@@ -29,11 +29,17 @@ def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
 
 
 def check_request(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:
-    """What depends on the model's vocabulary: the prompt's ids and the logit bias's."""
+    """What depends on the model's vocabulary: the ids of the prompt, the logit bias and
+    the stop tokens."""
     check_prompt_ids(prompt_ids, vocab_size)
     bad = [t for t, _ in params.sampling.logit_bias if t >= vocab_size]
     if bad:
         raise RequestError("logit_bias", bad[:4], f"token ids must be in [0, {vocab_size})")
+    bad = [t for t in params.stop_token_ids if isinstance(t, bool) or not isinstance(t, int)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError("stop_token_ids", bad[:4],
+                           f"token ids must be integers in [0, {vocab_size})")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class GenerationParams:
                                     # prefill service's engine: decode continues elsewhere)
     logprobs: int | None = None     # each token's k most likely alternatives with their
                                     # log-probs (OpenAI `logprobs`); None: not asked
+    min_tokens: int = 0             # no end-of-sequence or stop token before this many
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -57,10 +64,27 @@ class GenerationParams:
         if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float))
                               or not 0.0 <= r <= 1.0):
             raise RequestError("replay_ratio", r, "must be a number in [0, 1]")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int)
+                or not 0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError("min_tokens", self.min_tokens,
+                               f"must be an integer in [0, max_tokens={self.max_tokens}]")
         k = self.logprobs
         if k is not None and (isinstance(k, bool) or not isinstance(k, int)
                               or not 0 <= k <= MAX_LOGPROBS):
             raise RequestError("logprobs", k, f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    def history(self, prompt: list[int], output: list[int], eos: tuple[int, ...]) -> History:
+        """What sampling reads of a request at this step: its tokens, and before
+        `min_tokens` the tokens that would end it (stop ids, and EOS unless ignored)."""
+        banned = ()
+        if len(output) < self.min_tokens:
+            banned = self.stop_token_ids + (() if self.ignore_eos else tuple(eos))
+        return History(prompt, output, banned)
+
+    def stops(self, output: list[int], tok: int, eos: tuple[int, ...]) -> bool:
+        """`tok`, just appended to `output`, ends the request."""
+        return len(output) > self.min_tokens and (
+            tok in self.stop_token_ids or (not self.ignore_eos and tok in eos))
 
     def top_logprobs(self, logits: torch.Tensor) -> list[tuple[int, float]] | None:
         """The alternatives a step reports for this request (None when not asked)."""

@@ -71,10 +71,12 @@ class Gateway:
                                       logit_bias=req.logit_bias_pairs())
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),
+                                    min_tokens=req.min_tokens or 0,
+                                    stop_token_ids=tuple(req.stop_token_ids or ()),
                                     prefill=self.prefill_settings(req, prompt_len),
                                     replay_ratio=req.replay_ratio)
         except (SamplingError, RequestError) as exc:
-            raise APIError(400, str(exc)) from exc
+            raise APIError(400, str(exc), getattr(exc, "field", None)) from exc
 
     def candidates(self, req: _Common, params: GenerationParams) -> list[GenerationParams]:
         """One engine request per completion to generate (`n`, or completions' `best_of`).
@@ -118,9 +120,11 @@ class Gateway:
 
     # ---- generation -----------------------------------------------------------------
     async def generate(self, ids: list[int], params: GenerationParams, stops: list[str],
-                       arrival: float):
+                       arrival: float, include_stop: bool = False, skip_special: bool = True):
         """Yields `Delta`s (new text, finish reason, tokens generated so far, and with
-        `params.logprobs` the new tokens' log-probs); aborts the request when closed early."""
+        `params.logprobs` the new tokens' log-probs); aborts the request when closed early.
+        The text ends before the first stop string found after `params.min_tokens` tokens
+        (after it with `include_stop`)."""
         try:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
@@ -128,7 +132,7 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(ids))
         tokens: list[int] = []
         pending: list[TokenLogprob] = []      # tokens not yet sent with a delta
-        sent, last, finished = "", None, False
+        sent, last, finished, floor = "", None, False, 0
         try:
             while True:
                 step = await out.get()
@@ -145,11 +149,17 @@ class Gateway:
                     if params.logprobs is not None:
                         pending.append(TokenLogprob(step.token, step.logprob,
                                                     list(step.top_logprobs or ())))
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
                 reason = step.finish_reason if step.finished else None
-                hit = [text.find(s) for s in stops if s and s in text]
-                if hit:
-                    text, reason = text[:min(hit)], "stop"
+                if len(tokens) <= params.min_tokens:
+                    floor = len(text)       # stop strings ending in here came too early
+                else:
+                    hit = [(at, s) for s in stops if s and
+                           (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+                    if hit:
+                        at, stop = min(hit)
+                        text = text[:at + (len(stop) if include_stop else 0)]
+                        reason = "stop"
                 if text.endswith("\ufffd") and reason is None:
                     continue                          # wait for the rest of a multibyte char
                 if len(text) > len(sent) or reason:
@@ -257,7 +267,8 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
     obj = "chat.completion" if chat else "text_completion"
     report = params.logprobs is not None
     n = req.n
-    streams = [gateway.generate(ids, p, req.stop_list(), arrival)
+    streams = [gateway.generate(ids, p, req.stop_list(), arrival,
+                                req.include_stop_str_in_output, req.skip_special_tokens)
                for p in gateway.candidates(req, params)]
     offsets = [0] * len(streams)       # completions: where each choice's next text starts
 

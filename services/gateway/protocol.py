@@ -41,7 +41,7 @@ UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (0,), "best_of": (1,),     # chat: best_of; completions: top_logprobs
     "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "min_tokens": (0,),
+    "response_format": ({"type": "text"},),
 }
 
 # fields of the other endpoint
@@ -71,6 +71,13 @@ class _Common(BaseModel):
     # token id (a string, as JSON keys are) -> value added to its logit
     logit_bias: dict[str, _Bias] | None = None
     ignore_eos: bool = False
+    # vLLM's extensions: no end-of-sequence, stop token or stop string before `min_tokens`;
+    # token ids that end the answer; the matched stop string kept in the text; special
+    # tokens left out of the text
+    min_tokens: int | None = Field(default=None, ge=0)
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
     # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
     #   seed, sink_rows, lexical})

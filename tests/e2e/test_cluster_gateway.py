@@ -162,6 +162,14 @@ def test_penalties_and_logit_bias_reach_the_pool(cluster, ray_session):
             logit_bias={str(first): -100},
             extra_body={"ignore_eos": True, "repetition_penalty": 1.3}).choices[0].text
         assert got == tok.decode(ref, skip_special_tokens=True) and ref[0] != first
+    # min_tokens bans the stop token on the pool until the fifth token
+    params = GenerationParams(max_tokens=MAX_TOKENS, min_tokens=5, stop_token_ids=(first,))
+    ref = LLMEngine(model).generate([ids], params)[0].output_ids
+    got = client.completions.create(
+        model="smollm2-135m", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"min_tokens": 5, "stop_token_ids": [first]}).choices[0].text
+    assert got == tok.decode(ref, skip_special_tokens=True) and len(ref) >= 5
+    assert ref[0] != first
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 

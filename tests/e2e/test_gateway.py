@@ -93,6 +93,9 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": "yes"}, 400, "stream"),
     ({"model": MODEL, "prompt": [1.5, 2], "max_tokens": 2}, 400, "prompt"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop_token_ids": [49152]}, 400,
+     "stop_token_ids"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 3, "best_of": 2}, 400, "best_of"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "best_of": 2, "stream": True}, 400,
      "best_of"),
@@ -397,5 +400,38 @@ def test_best_of_returns_the_most_likely_candidates(server):
         gateway.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in ranked[:2]]
     assert all(ch.logprobs is None for ch in resp.choices)       # ranked by, not reported
     assert resp.usage.completion_tokens == 5 * 6                 # every candidate's tokens
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_vllm_stop_extensions(server):
+    """min_tokens (no end-of-turn, stop token or stop string before it), stop_token_ids,
+    include_stop_str_in_output and skip_special_tokens, as vLLM's OpenAI server has them."""
+    base, gateway = server
+    c = client(base)
+
+    def answer(**extra):
+        resp = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=30,
+                                         temperature=0, extra_body=extra)
+        return resp.choices[0].message.content, resp.usage.completion_tokens
+
+    plain, n_plain = answer()
+    assert plain == "The capital of France is Paris." and n_plain < 20
+    longer, n = answer(min_tokens=20)
+    served = gateway.backend.engine
+    ids = gateway.chat_ids(ChatCompletionRequest(model=MODEL, messages=QUESTION))
+    ref = LLMEngine(served.model, eos_token_ids=served.eos_token_ids).generate(
+        [ids], GenerationParams(max_tokens=30, min_tokens=20))[0]
+    assert n >= 20 and longer.startswith(plain) and len(longer) > len(plain)
+    assert longer == gateway.tokenizer.decode(ref.output_ids, skip_special_tokens=True)
+    assert answer(stop=["Paris"])[0] == "The capital of France is "
+    assert answer(stop=["Paris"], include_stop_str_in_output=True)[0] == (
+        "The capital of France is Paris")
+    # "capital" comes before min_tokens: it does not stop the answer
+    assert answer(stop=["capital"], min_tokens=5)[0] == plain
+    france = gateway.tokenizer(" France", add_special_tokens=False)["input_ids"]
+    assert len(france) == 1
+    assert answer(stop_token_ids=france)[0] == "The capital of France"
+    assert answer(skip_special_tokens=False)[0] == plain + "<|im_end|>"
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import SamplingParams, process_logits
+from kernels.sampling import History, SamplingParams, process_logits
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
 from tests.conftest import FAMILIES
@@ -116,6 +116,25 @@ def test_preemption_recomputes_and_matches_unpreempted(tiny_checkpoint):
     assert preempted, "the tight cache should have forced a preemption"
     assert got == ref
     assert tight.blocks.num_free == 14 and tight.slots.num_free == 3
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(tiny_checkpoint):
+    """Before min_tokens the end-of-sequence and stop tokens cannot be sampled (the run
+    that would have stopped at once goes on); after it they stop the request again."""
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    free = LLMEngine(model).generate([[3, 4, 5]], GenerationParams(
+        max_tokens=8, ignore_eos=True, return_logits=True))[0]
+    eos, stop = free.output_ids[0], free.output_ids[1]
+    seq = LLMEngine(model, eos_token_ids=(eos,)).generate([[3, 4, 5]], GenerationParams(
+        max_tokens=8, min_tokens=4, stop_token_ids=(stop,), return_logits=True))[0]
+    assert len(seq.output_ids) >= 4 and not {eos, stop} & set(seq.output_ids[:4])
+    assert seq.output_ids[0] == free.logits[0].clone().index_fill_(0, torch.tensor(
+        [eos, stop]), float("-inf")).argmax().item()
+    tail = seq.output_ids[4:]
+    assert seq.finish_reason == ("stop" if tail and tail[-1] in (eos, stop) else "length")
+    with pytest.raises(RequestError, match="min_tokens"):
+        GenerationParams(max_tokens=2, min_tokens=3)
 
 
 def test_eos_and_stop_tokens_finish_with_stop(tiny_checkpoint):
@@ -265,7 +284,7 @@ def test_penalties_and_bias_choose_from_the_processed_logits(tiny_checkpoint):
                               sampling=PENALIZED)
     seq = LLMEngine(model).generate([prompt], params)[0]
     for i, logits in enumerate(seq.logits):
-        row = process_logits(logits.float(), PENALIZED, (prompt, seq.output_ids[:i]))
+        row = process_logits(logits.float(), PENALIZED, History(prompt, seq.output_ids[:i]))
         assert seq.output_ids[i] == row.argmax().item()
     assert 9 not in seq.output_ids
     plain = LLMEngine(model).generate([prompt], GenerationParams(max_tokens=10,

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import (SamplingError, SamplingParams, filter_logits, process_logits,
-                              sample, top_logprobs)
+from kernels.sampling import (History, SamplingError, SamplingParams, filter_logits,
+                              process_logits, sample, top_logprobs)
 
 
 def test_greedy_picks_argmax_and_reports_logprob():
@@ -70,19 +70,27 @@ def test_bias_then_repetition_then_frequency_and_presence_penalties():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5])
     p = SamplingParams(logit_bias=((1, 5.0),), repetition_penalty=2.0, frequency_penalty=0.5,
                        presence_penalty=0.1)
-    got = process_logits(logits, p, history=([0, 4], [3, 3, 2]))
+    got = process_logits(logits, p, history=History([0, 4], [3, 3, 2]))
     # token 1: biased, never seen; 0 and 4 (prompt): divided / multiplied by 2; 3 and 2
     # (output, 2x and 1x): divided by 2, then 0.5 per time and 0.1 once
     want = torch.tensor([1.0, 4.0, 0.25 - 0.5 - 0.1, 1.5 - 1.0 - 0.1, -1.0])
     assert torch.allclose(got, want)
     assert torch.equal(logits, torch.tensor([2.0, -1.0, 0.5, 3.0, -0.5]))   # not in place
-    tok, lp = sample(logits[None], [p], histories=[([0, 4], [3, 3, 2])])
+    tok, lp = sample(logits[None], [p], histories=[History([0, 4], [3, 3, 2])])
     assert tok.item() == 1                                  # greedy over the processed row
     assert abs(lp.item() - torch.log_softmax(logits, -1)[1].item()) < 1e-6   # raw log-prob
     plain = SamplingParams()
     assert process_logits(logits, plain) is logits and sample(logits[None], [plain])[0] == 3
     with pytest.raises(ValueError, match="history"):
         sample(logits[None], [SamplingParams(presence_penalty=1.0)])
+    # banned tokens (stop tokens before min_tokens) cannot be drawn, greedy or not
+    banned = History([], [], banned=[3, 0])
+    assert sample(logits[None], [plain], histories=[banned])[0].item() == 2   # best left
+    row = process_logits(logits, plain, banned)
+    assert row[3] == row[0] == float("-inf")
+    draws = sample(logits[None].repeat(64, 1), [SamplingParams(temperature=5.0, seed=1)] * 64,
+                   histories=[banned] * 64)[0]
+    assert not ({0, 3} & set(draws.tolist()))
 
 
 @pytest.mark.parametrize("kwargs", [{"presence_penalty": 2.5}, {"frequency_penalty": -3},
