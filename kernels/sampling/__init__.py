@@ -154,6 +154,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return tokens, logprobs_all.gather(-1, tokens[:, None])[:, 0]
 
 
+class TokenLogprob(NamedTuple):
+    """One token's entry of a request's log-probs."""
+    token: int
+    logprob: float | None              # None: the prompt's first token (nothing precedes it)
+    top: list[tuple[int, float]]       # (token, log-prob) alternatives, most likely first
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """logits [R, V] and the tokens that followed each row, targets [R] -> each target's
+    log-prob and the row's k most likely alternatives (a prompt's log-probs)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
+    if k > 0:
+        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in chosen]
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(targets.tolist(), chosen, tops)]
+
+
 def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:
     """logits [V] -> the k most likely (token, log-prob), most likely first, of the model
     distribution (before temperature / filtering, as `sample` reports the chosen token's)."""

@@ -42,7 +42,9 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
                             stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos,
                             logprobs=req.logprobs if req.has_logprobs else None,
-                            min_tokens=req.min_tokens)
+                            min_tokens=req.min_tokens,
+                            prompt_logprobs=(req.prompt_logprobs if req.has_prompt_logprobs
+                                             else None))
 
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
@@ -54,6 +56,8 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               stop_token_ids=list(params.stop_token_ids),
                               ignore_eos=params.ignore_eos,
                               **processing_fields(s), min_tokens=params.min_tokens,
+                              has_prompt_logprobs=params.prompt_logprobs is not None,
+                              prompt_logprobs=params.prompt_logprobs or 0,
                               has_logprobs=params.logprobs is not None,
                               logprobs=params.logprobs or 0,
                               prefill=options_to_proto(params.prefill, params.replay_ratio))

@@ -106,6 +106,9 @@ class AttentionService:
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Refuse what this service can never run; reads only fixed sizes (any thread)."""
         check_request(prompt_ids, params, self.cfg.vocab_size)
+        if params.prompt_logprobs is not None:
+            raise RequestError("echo", True, "prompt log-probs (echo with logprobs) are served "
+                                             "by the embedded deployment only")
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_position_embeddings:
             raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")

@@ -59,6 +59,8 @@ class StepOutput:
     error: str | None = None
     export: PromptExport | None = None   # `params.export_prompt`: with the first token
     top_logprobs: list[tuple[int, float]] | None = None   # `params.logprobs`: (token, log-prob)
+    prompt_logprobs: list | None = None   # `params.prompt_logprobs`: with the first token,
+                                          # a TokenLogprob per prompt token after the first
 
 
 @dataclass
@@ -250,9 +252,12 @@ class LLMEngine:
             reason = self._stop_reason(seq, tok)
             if reason:
                 self._finish(seq, reason)
+            prompt = (list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None
+                      and len(seq.output_ids) == 1 else None)
             results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
                                       export=export,
-                                      top_logprobs=seq.params.top_logprobs(logits[i])))
+                                      top_logprobs=seq.params.top_logprobs(logits[i]),
+                                      prompt_logprobs=prompt))
         return results
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

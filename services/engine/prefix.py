@@ -70,8 +70,8 @@ class PrefixReuse:
     # ---- admission (scheduler hook) ------------------------------------------------
     def cached_tokens(self, seq: Sequence) -> int:
         """Leading tokens of `seq` the engine will restore before its first chunk runs."""
-        if not self.uses(seq) or seq.num_tokens < 2:
-            return 0
+        if not self.uses(seq) or seq.num_tokens < 2 or seq.params.prompt_logprobs is not None:
+            return 0                  # (prompt log-probs need every prompt row computed)
         if seq.seq_id not in self._looked:
             self.drain()
             try:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import MAX_LOGPROBS, History, SamplingParams, top_logprobs
+from kernels.sampling import MAX_LOGPROBS, History, SamplingParams, TokenLogprob, top_logprobs
 
 
 class RequestError(ValueError):
@@ -56,6 +56,8 @@ class GenerationParams:
     logprobs: int | None = None     # each token's k most likely alternatives with their
                                     # log-probs (OpenAI `logprobs`); None: not asked
     min_tokens: int = 0             # no end-of-sequence or stop token before this many
+    prompt_logprobs: int | None = None  # each prompt token's log-prob and k alternatives
+                                        # (OpenAI's `echo` with `logprobs`); exact prefill
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -68,10 +70,15 @@ class GenerationParams:
                 or not 0 <= self.min_tokens <= self.max_tokens):
             raise RequestError("min_tokens", self.min_tokens,
                                f"must be an integer in [0, max_tokens={self.max_tokens}]")
-        k = self.logprobs
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
-                              or not 0 <= k <= MAX_LOGPROBS):
-            raise RequestError("logprobs", k, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                                  or not 0 <= k <= MAX_LOGPROBS):
+                raise RequestError(name, k, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and self.prefill is not None:
+            raise RequestError("prompt_logprobs", self.prompt_logprobs,
+                               "needs the exact prefill: RidgeFill computes only some prompt "
+                               "rows through the upper layers")
 
     def history(self, prompt: list[int], output: list[int], eos: tuple[int, ...]) -> History:
         """What sampling reads of a request at this step: its tokens, and before
@@ -104,6 +111,7 @@ class Sequence:
     params: GenerationParams
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # tokens 1..P−1
     logits: list[torch.Tensor] = field(default_factory=list)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)

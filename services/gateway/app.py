@@ -72,6 +72,7 @@ class Gateway:
             return GenerationParams(max_tokens=max_tokens, sampling=sampling,
                                     ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),
                                     min_tokens=req.min_tokens or 0,
+                                    prompt_logprobs=req.prompt_logprobs_k(),
                                     stop_token_ids=tuple(req.stop_token_ids or ()),
                                     prefill=self.prefill_settings(req, prompt_len),
                                     replay_ratio=req.replay_ratio)
@@ -132,6 +133,7 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(ids))
         tokens: list[int] = []
         pending: list[TokenLogprob] = []      # tokens not yet sent with a delta
+        prompt = None                          # the prompt's log-probs, for the first delta
         sent, last, finished, floor = "", None, False, 0
         try:
             while True:
@@ -149,6 +151,8 @@ class Gateway:
                     if params.logprobs is not None:
                         pending.append(TokenLogprob(step.token, step.logprob,
                                                     list(step.top_logprobs or ())))
+                    if step.prompt_logprobs is not None:
+                        prompt = step.prompt_logprobs
                 text = self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
                 reason = step.finish_reason if step.finished else None
                 if len(tokens) <= params.min_tokens:
@@ -163,8 +167,8 @@ class Gateway:
                 if text.endswith("\ufffd") and reason is None:
                     continue                          # wait for the rest of a multibyte char
                 if len(text) > len(sent) or reason:
-                    yield Delta(text[len(sent):], reason, len(tokens), pending)
-                    sent, pending = text, []
+                    yield Delta(text[len(sent):], reason, len(tokens), pending, prompt)
+                    sent, pending, prompt = text, [], None
                 if reason:
                     finished = step.finished
                     self.metrics.e2e.observe(now - arrival)
@@ -239,14 +243,16 @@ class Delta(NamedTuple):
     reason: str | None                 # the finish reason, on the last one
     n: int                             # tokens generated so far
     logprobs: list[TokenLogprob]       # the tokens since the previous delta (when asked)
+    prompt: list[TokenLogprob] | None = None   # the first delta: prompt log-probs (echo)
 
 
 async def collect(stream) -> Delta:
-    text, entries, last = "", [], Delta("", None, 0, [])
+    text, entries, prompt, last = "", [], None, Delta("", None, 0, [])
     async for last in stream:
         text += last.text
         entries += last.logprobs
-    return Delta(text, last.reason, last.n, entries)
+        prompt = prompt if prompt is not None else last.prompt
+    return Delta(text, last.reason, last.n, entries, prompt)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -271,6 +277,16 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
                                 req.include_stop_str_in_output, req.skip_special_tokens)
                for p in gateway.candidates(req, params)]
     offsets = [0] * len(streams)       # completions: where each choice's next text starts
+    echo = getattr(req, "echo", False)
+    prefix = (req.prompt if isinstance(req.prompt, str) else gateway.tokenizer.decode(ids)
+              ) if echo else ""
+
+    def echoed(d: Delta) -> tuple[str, list[TokenLogprob]]:
+        """A choice's first text and log-probs, the prompt's first with `echo`."""
+        if not echo:
+            return d.text, d.logprobs
+        first = [TokenLogprob(ids[0], None, [])] if d.prompt is not None else []
+        return prefix + d.text, first + (d.prompt or []) + d.logprobs
 
     def logprobs_of(i: int, entries: list[TokenLogprob]) -> dict | None:
         if not report:
@@ -303,10 +319,11 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             results = sorted(results, key=lambda r: -sum(e.logprob for e in r.logprobs))[:n]
         choices = []
         for i, r in enumerate(results):
-            choice = ({"index": i, "message": {"role": "assistant", "content": r.text},
+            text, entries = echoed(r)
+            choice = ({"index": i, "message": {"role": "assistant", "content": text},
                        "finish_reason": r.reason} if chat else
-                      {"index": i, "text": r.text, "finish_reason": r.reason})
-            choice["logprobs"] = logprobs_of(i, r.logprobs)
+                      {"index": i, "text": text, "finish_reason": r.reason})
+            choice["logprobs"] = logprobs_of(i, entries)
             choices.append(choice)
         return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
                 "choices": choices, "usage": usage(len(ids), spent)}
@@ -365,10 +382,12 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             for i in range(len(streams)):
                 yield chunk([{"index": i, "delta": {"role": "assistant"},
                               "finish_reason": None}])
-        spent = [0] * len(streams)
+        spent, started = [0] * len(streams), [False] * len(streams)
         try:
-            async for i, (delta, reason, tokens, entries) in merged():
-                spent[i] = tokens
+            async for i, item in merged():
+                spent[i], reason = item.n, item.reason
+                delta, entries = echoed(item) if not started[i] else (item.text, item.logprobs)
+                started[i] = True
                 choice = ({"index": i, "delta": {"content": delta} if delta else {},
                            "finish_reason": reason} if chat else
                           {"index": i, "text": delta, "finish_reason": reason})

@@ -12,16 +12,10 @@ those of the model distribution, before temperature and top-k / top-p.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from kernels.sampling import TokenLogprob
 
 # JSON has no -inf: a token the model cannot produce is reported at vLLM's floor
 _FLOOR = -9999.0
-
-
-class TokenLogprob(NamedTuple):
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]       # (token, log-prob), most likely first
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -74,14 +68,17 @@ def _lp(value: float) -> float:
 def completion_logprobs(words: TokenText, entries: list[TokenLogprob],
                         offset: int = 0) -> tuple[dict, int]:
     """The legacy completions object for `entries`, whose first token starts at `offset` of
-    the completion text; also returns the offset after the last token (for the next chunk)."""
+    the text; also returns the offset after the last token (for the next chunk). With
+    `echo` the prompt's tokens come first, the very first with null log-probs."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         text = words.text(e.token)
-        top = {words.text(t): _lp(lp) for t, lp in e.top}
-        top.setdefault(text, _lp(e.logprob))          # the sampled token is always listed
+        top = None
+        if e.logprob is not None:
+            top = {words.text(t): _lp(lp) for t, lp in e.top}
+            top.setdefault(text, _lp(e.logprob))      # the chosen token is always listed
         out["tokens"].append(text)
-        out["token_logprobs"].append(_lp(e.logprob))
+        out["token_logprobs"].append(None if e.logprob is None else _lp(e.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)

@@ -46,7 +46,8 @@ UNSUPPORTED: dict[str, tuple] = {
 
 # fields of the other endpoint
 HINTS = {"top_logprobs": "a chat completions field; completions ask with `logprobs: k`",
-         "best_of": "a completions field; chat completions take `n`"}
+         "best_of": "a completions field; chat completions take `n`",
+         "echo": "a completions field"}
 
 _Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
@@ -121,6 +122,10 @@ class _Common(BaseModel):
         """How many completions to generate: `n`, or completions' `best_of`."""
         return self.n
 
+    def prompt_logprobs_k(self) -> int | None:
+        """Alternatives per prompt token (completions' `echo` with `logprobs`)."""
+        return None
+
 
 class CompletionRequest(_Common):
     prompt: str | list[int]
@@ -129,6 +134,10 @@ class CompletionRequest(_Common):
     logprobs: bool | int | None = None
     # generate this many and return the n with the highest log-probability (not streamed)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    echo: bool = False             # the prompt before the completion (and its log-probs)
+
+    def prompt_logprobs_k(self) -> int | None:
+        return self.logprobs_k() if self.echo else None
 
     def candidates(self) -> int:
         if self.best_of is None:

@@ -138,6 +138,10 @@ def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
         assert abs(got - row[t].item()) < 1e-3
         assert list(top) == [tok.decode([i]) for i in best.indices.tolist()]
         assert max(abs(a - b) for a, b in zip(top.values(), best.values.tolist())) < 1e-3
+    echoed = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=4,
+                                       temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    assert echoed == tok.decode(ids) + tok.decode(seq.output_ids[:4])
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 
@@ -203,6 +207,9 @@ def test_n_choices_over_the_cluster(cluster, ray_session):
     ({"model": "smollm2-135m", "prompt": [-1], "max_tokens": 2}, 400, "prompt"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400,
      "logprobs"),
+    # the prompt's log-probs need the embedded engine's prefill
+    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": True},
+     400, "echo"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 1}},
      400, "logit_bias"),
     (b"{not json", 400, None),

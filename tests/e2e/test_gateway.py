@@ -109,8 +109,9 @@ def test_completion_with_token_ids_stop_and_seed(server):
      "top_logprobs"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "logprobs": True,
       "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "echo": True}, 400, "echo"),
     # OpenAI fields not implemented are refused when they ask for something
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "suffix": "!"}, 400, "suffix"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "frequency_penalty": 2.5}, 400,
      "frequency_penalty"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "repetition_penalty": 0}, 400,
@@ -433,5 +434,45 @@ def test_vllm_stop_extensions(server):
     assert len(france) == 1
     assert answer(stop_token_ids=france)[0] == "The capital of France"
     assert answer(skip_special_tokens=False)[0] == plain + "<|im_end|>"
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_echo_returns_the_prompt_with_its_log_probs(server):
+    """`echo` with `logprobs` (how evaluation harnesses score a continuation): the prompt
+    comes back before the completion, each prompt token after the first with its log-prob
+    under the full forward and the k most likely alternatives; streamed the same."""
+    base, gateway = server
+    c = client(base)
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    words = gateway.words
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    assert lp.tokens[:len(ids)] == [words.text(t) for t in ids]
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    served = gateway.backend.engine
+    generated = LLMEngine(served.model).generate(
+        [ids], GenerationParams(max_tokens=3, ignore_eos=True))[0].output_ids
+    full = torch.log_softmax(served.model.forward(torch.tensor([ids + generated]))[0], -1)
+    for j in range(1, len(ids) + 3):
+        token = (ids + generated)[j]
+        assert abs(lp.token_logprobs[j] - full[j - 1, token].item()) < 1e-4
+        best = full[j - 1].topk(2).indices.tolist()
+        assert set(lp.top_logprobs[j]) == {words.text(t) for t in best} | {lp.tokens[j]}
+    streamed = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=3,
+                                         temperature=0, logprobs=2, echo=True, stream=True,
+                                         extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in streamed) == choice.text
+    assert sum((ch.choices[0].logprobs.token_logprobs for ch in streamed), []) == (
+        lp.token_logprobs)
+    bare = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                echo=True, extra_body={"ignore_eos": True})
+    assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks

@@ -298,3 +298,48 @@ def test_logit_bias_outside_the_vocabulary_is_refused(engine_qwen35):
         engine_qwen35.add_request([1, 2], GenerationParams(
             sampling=SamplingParams(logit_bias=((vocab, 1.0),))))
     assert err.value.field == "logit_bias" and not engine_qwen35.has_unfinished()
+
+
+def test_prompt_logprobs_over_chunks_and_preemption_match_the_full_forward(tiny_checkpoint):
+    """Each prompt token after the first gets its log-prob under the full forward, with
+    the k most likely alternatives; a prompt prefilled in chunks, and one preempted and
+    recomputed, score every row once."""
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 1024, (45,), generator=gen).tolist()
+    ref = torch.log_softmax(model.forward(torch.tensor([prompt]))[0].float(), -1)
+    params = GenerationParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    for cfg in (EngineConfig(max_prefill_chunk=16, max_num_batched_tokens=32),
+                EngineConfig(block_size=4, num_blocks=14, max_num_seqs=2,
+                             max_prefill_chunk=16, max_num_batched_tokens=32)):
+        eng = LLMEngine(model, cfg)
+        crowd = eng.add_request(prompt[:20], GenerationParams(max_tokens=20, ignore_eos=True))
+        ids = [eng.add_request(prompt, params), crowd]     # the newer one is preempted
+        schedule, preempted = eng.scheduler.schedule, []
+
+        def counting():
+            out = schedule()
+            preempted.extend(s.seq_id for s in out.preempted)
+            return out
+
+        eng.scheduler.schedule = counting
+        firsts = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                firsts.setdefault(out.seq_id, out)
+        assert (ids[0] in preempted) == (cfg.num_blocks is not None)
+        entries = firsts[ids[0]].prompt_logprobs
+        assert [e.token for e in entries] == prompt[1:]
+        got = torch.tensor([e.logprob for e in entries])
+        want = ref[torch.arange(44), torch.tensor(prompt[1:])]
+        assert (got - want).abs().max().item() < 1e-4
+        assert all([t for t, _ in e.top] == ref[j].topk(2).indices.tolist()
+                   for j, e in enumerate(entries))
+        assert firsts[ids[1]].prompt_logprobs is None
+        assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_prompt_logprobs_need_the_exact_prefill():
+    with pytest.raises(RequestError, match="exact prefill"):
+        GenerationParams(prompt_logprobs=1, prefill=object())
