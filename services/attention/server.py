@@ -13,7 +13,7 @@ from concurrent import futures
 import grpc
 from prometheus_client import generate_latest
 
-from kernels.sampling import SamplingError, SamplingParams
+from kernels.sampling import SamplingError, SamplingParams, TokenLogprob
 from services.attention.service import AttentionService
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
@@ -63,6 +63,26 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               prefill=options_to_proto(params.prefill, params.replay_ratio))
 
 
+def prompt_logprob_fields(entries: list[TokenLogprob] | None) -> dict:
+    """A first token's prompt log-probs as `GenerateEvent` fields (`prompt_logprobs_from`
+    reads them back)."""
+    if entries is None:
+        return {}
+    return {"has_prompt_logprobs": True, "prompt_tokens": [e.token for e in entries],
+            "prompt_logprobs": [e.logprob for e in entries],
+            "prompt_k": len(entries[0].top) if entries else 0,
+            "prompt_top_tokens": [t for e in entries for t, _ in e.top],
+            "prompt_top_logprobs": [lp for e in entries for _, lp in e.top]}
+
+
+def prompt_logprobs_from(ev: pb.GenerateEvent) -> list[TokenLogprob] | None:
+    if not ev.has_prompt_logprobs:
+        return None
+    k, tops = ev.prompt_k, list(zip(ev.prompt_top_tokens, ev.prompt_top_logprobs))
+    return [TokenLogprob(t, lp, tops[i * k:(i + 1) * k])
+            for i, (t, lp) in enumerate(zip(ev.prompt_tokens, ev.prompt_logprobs))]
+
+
 def _refusal(exc: Exception) -> pb.GenerateEvent:
     return pb.GenerateEvent(refused=True, finished=True, finish_reason="error", error=str(exc),
                             error_field=getattr(exc, "field", "") or "")
@@ -84,6 +104,10 @@ class AttentionServicer(pb_grpc.AttentionServicer):
             params = params_from_proto(request)
             if self.prefill is not None:
                 self.loop.engine.validate(prompt, params)     # before paying for a prefill
+                if params.prompt_logprobs is not None:
+                    raise RequestError("echo", True, "the prompt's log-probs need the "
+                                       "attention service's own prefill; this deployment "
+                                       "prefills on prefill replicas")
                 cancel = CancelHandle()
                 context.add_callback(cancel.cancel)
                 extra["prefilled"] = self.prefill.prefill(prompt, request.prefill, cancel)
@@ -110,7 +134,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                    finished=out.finished, finish_reason=out.finish_reason or "",
                                    error=out.error or "",
                                    top_tokens=[t for t, _ in out.top_logprobs or ()],
-                                   top_logprobs=[lp for _, lp in out.top_logprobs or ()])
+                                   top_logprobs=[lp for _, lp in out.top_logprobs or ()],
+                                   **prompt_logprob_fields(out.prompt_logprobs))
             if out.finished:
                 return
 

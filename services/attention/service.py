@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.merge import combine_current, merge_many
-from kernels.sampling import sample
+from kernels.sampling import TokenLogprob, sample
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
@@ -54,6 +54,8 @@ class Request:
     error: str | None = None
     generator: torch.Generator | None = None
     prefilled: PromptExport | None = None     # its prompt, prefilled by the prefill service
+    prompt_logprobs: list | None = None       # `params.prompt_logprobs`: TokenLogprobs of
+                                              # prompt tokens 1..P−1, sent with the first token
 
     @property
     def tokens(self) -> list[int]:
@@ -106,9 +108,6 @@ class AttentionService:
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
         """Refuse what this service can never run; reads only fixed sizes (any thread)."""
         check_request(prompt_ids, params, self.cfg.vocab_size)
-        if params.prompt_logprobs is not None:
-            raise RequestError("echo", True, "prompt log-probs (echo with logprobs) are served "
-                                             "by the embedded deployment only")
         total = len(prompt_ids) + params.max_tokens
         if total > self.cfg.max_position_embeddings:
             raise RequestError("max_tokens", params.max_tokens, "exceeds the context length")
@@ -215,8 +214,9 @@ class AttentionService:
             self.release(r, "stop")
         elif len(r.output_ids) >= r.params.max_tokens:
             self.release(r, "length")
+        prompt = r.prompt_logprobs if len(r.output_ids) == 1 else None
         return StepOutput(r.seq_id, tok, logprob, r.finish_reason is not None, r.finish_reason,
-                          top_logprobs=r.params.top_logprobs(logits))
+                          top_logprobs=r.params.top_logprobs(logits), prompt_logprobs=prompt)
 
     def _install(self, r: Request) -> StepOutput:
         """Store an admitted request's prefilled prompt and sample its first token; the
@@ -258,12 +258,32 @@ class AttentionService:
                 u = self._gated_deltanet(l, pending.result(), batch, decode)
             if l + 1 < self.cfg.num_hidden_layers:
                 pending = self.pool.submit("stage", l + 1, u, pos)
+        if not decode:
+            self._score_prompts(batch, seq_ids, positions, u)
         last = torch.tensor([i for i, s in enumerate(seq_ids)
                              if i + 1 == len(seq_ids) or seq_ids[i + 1] != s], device=dev)
         return self.pool.call("final", u[last], [r.params.sampling for r in batch],
                               [r.generator for r in batch],
                               [r.params.history(r.prompt_ids, r.output_ids, self.eos)
                                for r in batch])
+
+    def _score_prompts(self, batch, seq_ids, positions, u) -> None:
+        """Prompt log-probs of the requests that ask for them, from their prompt rows' last
+        residual (the pool's `score`); once, on the request's first computation."""
+        for r in batch:
+            k = r.params.prompt_logprobs
+            if k is None or r.prompt_logprobs is not None:
+                continue
+            rows = [i for i, (s, p) in enumerate(zip(seq_ids, positions))
+                    if s == r.seq_id and p + 1 < len(r.prompt_ids)]
+            if not rows:                          # a one-token prompt: nothing to score
+                r.prompt_logprobs = []
+                continue
+            targets = torch.tensor([r.prompt_ids[positions[i] + 1] for i in rows],
+                                   dtype=torch.long)
+            logprobs, ids, lps = self.pool.call("score", u[rows], targets, k)
+            r.prompt_logprobs = [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(
+                targets.tolist(), logprobs.tolist(), ids.tolist(), lps.tolist())]
 
     def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model

@@ -74,6 +74,10 @@ class GrpcTransport(Transport):
                                                    if g is not None else b""),
                                   **processing_fields(p), **history_fields(p, h))
                 for p, g, h in zip(params, generators, histories or [None] * len(params))]))
+        if method == "score":
+            u, targets, k = args
+            return pb.PoolRequest(id=rid, score=pb.ScoreCall(u=to_proto(u),
+                                                             targets=to_proto(targets), k=k))
         raise ValueError(f"unknown pool method {method!r}")
 
     def _decode(self, replica: PoolStream, reply: pb.PoolReply, args):
@@ -87,6 +91,8 @@ class GrpcTransport(Transport):
             return StageOutput(tensors[0], tensors[1], tensors[2])
         if reply.kind == "gdn":
             return StageOutput(tensors[0], gdn=GDNInputs(*tensors[1:]))
+        if reply.kind == "score":
+            return tuple(tensors)
         for g, state in zip(args[2], reply.generator_states):
             if g is not None:                # advance the request's own generator
                 g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))

@@ -135,6 +135,13 @@ class NcclTransport(GrpcTransport):
             req = super()._encode(method, args)
             req.nccl_peer = replica.peer_name
             req.final.u.CopyFrom(meta(u))
+        elif method == "score":
+            u, targets, _ = args
+            sent = [u, targets]
+            req = super()._encode(method, args)
+            req.nccl_peer = replica.peer_name
+            req.score.u.CopyFrom(meta(u))
+            req.score.targets.CopyFrom(meta(targets))
         else:
             raise ValueError(f"unknown pool method {method!r}")
         replica.send(req)

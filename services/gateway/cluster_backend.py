@@ -19,7 +19,7 @@ from prometheus_client import Gauge
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.attention.server import params_to_proto
+from services.attention.server import params_to_proto, prompt_logprobs_from
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.engine import GenerationParams, RequestError, StepOutput
@@ -180,7 +180,8 @@ class ClusterBackend:
                 queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
                                             ev.logprob if ev.has_token else None, ev.finished,
                                             ev.finish_reason or None, ev.error or None,
-                                            top_logprobs=top))
+                                            top_logprobs=top,
+                                            prompt_logprobs=prompt_logprobs_from(ev)))
                 if finished:
                     return
             if not finished:

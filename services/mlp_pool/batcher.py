@@ -59,6 +59,9 @@ class BatchingPool:
     def final(self, u: torch.Tensor, params, generators, histories=None):
         return self._enqueue(("final",), (u, params, generators, histories)).result()
 
+    def score(self, u: torch.Tensor, targets: torch.Tensor, k: int):
+        return self._enqueue(("score", k), (u, targets)).result()
+
     def stop(self) -> None:
         with self._cv:
             self._stop = True
@@ -95,6 +98,9 @@ class BatchingPool:
         if key[0] == "stage":
             out = self.pool.stage(key[1], u, torch.cat([args[1] for args, _ in calls]))
             parts = _split_stage(out, sizes)
+        elif key[0] == "score":
+            out = self.pool.score(u, torch.cat([args[1] for args, _ in calls]), key[1])
+            parts = list(zip(*(t.split(sizes) for t in out)))
         else:
             params = [p for args, _ in calls for p in args[1]]
             gens = [g for args, _ in calls for g in args[2]]

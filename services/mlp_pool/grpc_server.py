@@ -38,6 +38,9 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
             if out.gdn is None:
                 return self._reply(req.id, "attn", (out.z, out.k, out.v), link)
             return self._reply(req.id, "gdn", (out.z, *out.gdn), link)
+        if req.HasField("score"):
+            out = self.pool.score(get(req.score.u), get(req.score.targets), req.score.k)
+            return self._reply(req.id, "score", out, link)
         params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                  **processing_from(p)) for p in req.final.params]
         gens = [_generator(p.generator_state) for p in req.final.params]

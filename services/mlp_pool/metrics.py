@@ -14,8 +14,8 @@ class PoolMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.stage_seconds = Histogram("splitstack_pool_stage_seconds",
-                                       "Compute time of one batched pool forward (kind: stage "
-                                       "or final)", ["kind"], registry=r,
+                                       "Compute time of one batched pool forward (kind: stage, "
+                                       "final or score)", ["kind"], registry=r,
                                        buckets=STAGE_BUCKETS)
         self.batch_rows = Histogram("splitstack_pool_batch_rows",
                                     "Rows in one batched pool forward", registry=r,
@@ -28,7 +28,7 @@ class PoolMetrics:
                                 "retries elsewhere)", registry=r)
 
     def observe(self, kind: str, seconds: float, rows: int, calls: int) -> None:
-        """One forward: `kind` stage or final, its rows, and the calls merged into it."""
+        """One forward: `kind` stage, final or score, its rows, and the calls merged."""
         self.stage_seconds.labels(kind).observe(seconds)
         self.batch_rows.observe(rows)
         self.batch_calls.observe(calls)
@@ -58,6 +58,9 @@ class MeteredPool:
 
     def stage(self, layer, u, positions):
         return self._timed("stage", u.shape[0], self.pool.stage, layer, u, positions)
+
+    def score(self, u, targets, k):
+        return self._timed("score", u.shape[0], self.pool.score, u, targets, k)
 
     def final(self, u, params, generators, histories=None):
         return self._timed("final", u.shape[0], self.pool.final, u, params, generators,

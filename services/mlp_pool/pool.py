@@ -7,7 +7,8 @@ feed-forward; token ids for stage 0) and returns
     full-attention layer l:   k, v = Wk N1(z), Wv N1(z)    (QK-norm + rotary on k)
     linear-attention layer l: the GDN input projections of N1(z)
 
-and stage L returns sampled tokens from `final(z)`. The pool keeps no request state, so any
+and stage L returns sampled tokens from `final(z)`; `score` returns, for prompt rows, the
+log-probs of the tokens that follow them. The pool keeps no request state, so any
 replica can serve any call and a failed call can be retried elsewhere. Rows from many
 requests and shards arrive batched in one call.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import SamplingParams, sample
+from kernels.sampling import SamplingParams, sample, score_tokens
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
@@ -63,3 +64,19 @@ class MLPPool:
         logits = m.final(m.mlp(m.config.num_hidden_layers - 1, u)).float()
         tokens, logprobs = sample(logits, params, generators, histories)
         return tokens, logprobs, logits
+
+    @torch.inference_mode()
+    def score(self, u: torch.Tensor, targets: torch.Tensor, k: int, rows_per_call: int = 256):
+        """u [R, h] (input of the last feed-forward) and the token after each row [R] ->
+        (their log-probs [R], the rows' k most likely tokens [R, k] and log-probs [R, k]):
+        a prompt's log-probs, without sending [R, vocab] logits back."""
+        self.calls += 1
+        m = self.model
+        entries = []
+        for a in range(0, u.shape[0], rows_per_call):      # bounded [rows, vocab] logits
+            x = m.mlp(m.config.num_hidden_layers - 1, u[a:a + rows_per_call])
+            entries += score_tokens(m.final(x), targets[a:a + rows_per_call], k)
+        logprobs = torch.tensor([e.logprob for e in entries], dtype=torch.float32)
+        ids = torch.tensor([[t for t, _ in e.top] for e in entries], dtype=torch.long)
+        lps = torch.tensor([[lp for _, lp in e.top] for e in entries], dtype=torch.float32)
+        return logprobs, ids.view(len(entries), k), lps.view(len(entries), k)

@@ -139,9 +139,18 @@ def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
         assert list(top) == [tok.decode([i]) for i in best.indices.tolist()]
         assert max(abs(a - b) for a, b in zip(top.values(), best.values.tolist())) < 1e-3
     echoed = client.completions.create(model="smollm2-135m", prompt=ids, max_tokens=4,
-                                       temperature=0, echo=True,
-                                       extra_body={"ignore_eos": True}).choices[0].text
-    assert echoed == tok.decode(ids) + tok.decode(seq.output_ids[:4])
+                                       temperature=0, echo=True, logprobs=2,
+                                       extra_body={"ignore_eos": True}).choices[0]
+    assert echoed.text == tok.decode(ids) + tok.decode(seq.output_ids[:4])
+    # the prompt's log-probs: the pool scores the prompt rows the attention service computed
+    full = torch.log_softmax(load_model(ZOO).forward(torch.tensor([ids]))[0], -1)
+    lp = echoed.logprobs
+    assert lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) + 4
+    for j in range(1, len(ids)):
+        assert abs(lp.token_logprobs[j] - full[j - 1, ids[j]].item()) < 1e-3
+        assert set(lp.top_logprobs[j]) == {tok.decode([t]) for t in full[j - 1].topk(2).indices
+                                           .tolist()} | {lp.tokens[j]}
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 
@@ -207,9 +216,6 @@ def test_n_choices_over_the_cluster(cluster, ray_session):
     ({"model": "smollm2-135m", "prompt": [-1], "max_tokens": 2}, 400, "prompt"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 21}, 400,
      "logprobs"),
-    # the prompt's log-probs need the embedded engine's prefill
-    ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logprobs": 1, "echo": True},
-     400, "echo"),
     ({"model": "smollm2-135m", "prompt": "hi", "max_tokens": 2, "logit_bias": {"49152": 1}},
      400, "logit_bias"),
     (b"{not json", 400, None),

@@ -119,6 +119,8 @@ def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_
 @pytest.mark.parametrize("extra,param", [
     ({"prefill_mode": "ridgefill"}, "prefill_mode"),     # no maps in this deployment
     ({"replay_ratio": 2.0}, "replay_ratio"),
+    # the prompt's log-probs need the attention service's own prefill
+    ({"echo": True, "logprobs": 1}, "echo"),
 ])
 def test_prefill_fields_are_checked_by_the_prefill_service(deployment, extra, param):
     base, _ = deployment

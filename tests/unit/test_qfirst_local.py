@@ -66,6 +66,30 @@ def test_penalties_and_bias_give_the_exact_engines_tokens(tiny_checkpoint):
     assert [s.output_ids for s in plain] != [s.output_ids for s in ref]
 
 
+def test_prompt_logprobs_are_the_exact_engines(tiny_checkpoint):
+    """The pool scores the prompt rows of the requests that ask (local transport here)."""
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    params = GenerationParams(max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    service, _, _ = build(model, num_shards=2)
+    outs = {}
+    ids = [service.add_request(p, params) for p in prompts()]
+    while service.has_unfinished():
+        for out in service.step():
+            outs.setdefault(out.seq_id, out)
+    engine = LLMEngine(model)
+    eids = [engine.add_request(p, params) for p in prompts()]
+    want = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            want.setdefault(out.seq_id, out)
+    for i, e in zip(ids, eids):
+        got, ref = outs[i].prompt_logprobs, want[e].prompt_logprobs
+        assert [g.token for g in got] == [r.token for r in ref] and len(got) > 0
+        assert max(abs(g.logprob - r.logprob) for g, r in zip(got, ref)) < 1e-4
+        assert [[t for t, _ in g.top] for g in got] == [[t for t, _ in r.top] for r in ref]
+
+
 def test_shards_hold_disjoint_positions(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     model = load_model(path)
