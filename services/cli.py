@@ -60,9 +60,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size),
                        eos_token_ids=eos_token_ids(args.model))
     params = GenerationParams(
-        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, min_tokens=args.min_tokens,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed))
+                                top_p=args.top_p, seed=args.seed,
+                                repetition_penalty=args.repetition_penalty,
+                                frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty))
     start = time.perf_counter()
     seq = engine.generate([ids], params)[0]      # a RequestError is reported by main()
     elapsed = time.perf_counter() - start
@@ -298,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages the prompt's and the answer's tokens (vLLM's)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, [-2, 2]")
+    gen.add_argument("--min-tokens", type=int, default=0,
+                     help="no end-of-sequence token before this many")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--print-ids", action="store_true", help="also print the generated ids")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

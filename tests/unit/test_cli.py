@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.engine import GenerationParams, LLMEngine
 
@@ -31,6 +32,24 @@ def test_generate_token_ids_matches_engine(tiny_checkpoint):
         [[1, 2, 3, 4]], GenerationParams(max_tokens=6, ignore_eos=True))[0].output_ids
     assert printed == expect and len(printed) == 6
     assert "finish_reason=length" in proc.stderr
+
+
+def test_generate_with_penalties_matches_engine(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama3")
+    proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2,3,4",
+                   "--max-tokens", "6", "--ignore-eos", "--print-ids",
+                   "--repetition-penalty", "1.5", "--presence-penalty", "1.0")
+    assert proc.returncode == 0, proc.stderr
+    printed = [int(t) for t in proc.stdout.strip().splitlines()[-1].split(",")]
+    expect = LLMEngine(load_model(path)).generate([[1, 2, 3, 4]], GenerationParams(
+        max_tokens=6, ignore_eos=True, sampling=SamplingParams(
+            repetition_penalty=1.5, presence_penalty=1.0)))[0].output_ids
+    plain = LLMEngine(load_model(path)).generate(
+        [[1, 2, 3, 4]], GenerationParams(max_tokens=6, ignore_eos=True))[0].output_ids
+    assert printed == expect and expect != plain
+    bad = run_cli("generate", "--model", str(path), "--token-ids", "1,2",
+                  "--presence-penalty", "3")
+    assert bad.returncode == 2 and "presence_penalty must be in [-2, 2]" in bad.stderr
 
 
 def test_generate_rejects_overlong_request(tiny_checkpoint):
