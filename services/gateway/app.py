@@ -108,10 +108,10 @@ class Gateway:
         except ValueError as exc:
             raise APIError(400, str(exc), "ridgefill") from exc
 
-    def completion_ids(self, req: CompletionRequest) -> list[int]:
-        if isinstance(req.prompt, list):
-            return list(req.prompt)
-        return self.tokenizer(req.prompt, add_special_tokens=False)["input_ids"]
+    def completion_ids(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt of the batch as token ids."""
+        return [list(p) if isinstance(p, list) else
+                self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -224,16 +224,16 @@ def build_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         arrival = time.perf_counter()
-        ids = gateway.completion_ids(req)
-        params = gateway.params(req, len(ids), req.max_tokens)
-        return await respond(gateway, req, ids, params, arrival, chat=False, request=request)
+        jobs = [(ids, gateway.params(req, len(ids), req.max_tokens))
+                for ids in gateway.completion_ids(req)]
+        return await respond(gateway, req, jobs, arrival, chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         arrival = time.perf_counter()
         ids = gateway.chat_ids(req)
         params = gateway.params(req, len(ids), req.max_completion_tokens or req.max_tokens)
-        return await respond(gateway, req, ids, params, arrival, chat=True, request=request)
+        return await respond(gateway, req, [(ids, params)], arrival, chat=True, request=request)
 
     return app
 
@@ -267,24 +267,34 @@ async def until_disconnected(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, request: Request):
+async def respond(gateway: Gateway, req, jobs: list[tuple[list[int], GenerationParams]],
+                  arrival, chat: bool, request: Request):
+    """`jobs`: (prompt ids, params) per prompt of the batch (one for chat); each prompt gets
+    its n choices, indexed prompt·n + choice as OpenAI's batched completions are."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    report = params.logprobs is not None
+    report = jobs[0][1].logprobs is not None
     n = req.n
-    streams = [gateway.generate(ids, p, req.stop_list(), arrival,
-                                req.include_stop_str_in_output, req.skip_special_tokens)
-               for p in gateway.candidates(req, params)]
+    streams, owner = [], []            # owner: the prompt each stream answers
+    for j, (ids, params) in enumerate(jobs):
+        for p in gateway.candidates(req, params):
+            streams.append(gateway.generate(ids, p, req.stop_list(), arrival,
+                                            req.include_stop_str_in_output,
+                                            req.skip_special_tokens))
+            owner.append(j)
+    per = len(streams) // len(jobs)    # candidates per prompt (best_of, else n)
+    prompt_tokens = sum(len(ids) for ids, _ in jobs)
     offsets = [0] * len(streams)       # completions: where each choice's next text starts
     echo = getattr(req, "echo", False)
-    prefix = (req.prompt if isinstance(req.prompt, str) else gateway.tokenizer.decode(ids)
-              ) if echo else ""
+    texts = req.prompts() if echo else []
 
-    def echoed(d: Delta) -> tuple[str, list[TokenLogprob]]:
-        """A choice's first text and log-probs, the prompt's first with `echo`."""
+    def echoed(j: int, d: Delta) -> tuple[str, list[TokenLogprob]]:
+        """A choice's first text and log-probs, its prompt's first with `echo`."""
         if not echo:
             return d.text, d.logprobs
+        ids = jobs[j][0]
+        prefix = texts[j] if isinstance(texts[j], str) else gateway.tokenizer.decode(ids)
         first = [TokenLogprob(ids[0], None, [])] if d.prompt is not None else []
         return prefix + d.text, first + (d.prompt or []) + d.logprobs
 
@@ -315,18 +325,22 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             raise work.exception()
         results = list(work.result())
         spent = sum(r.n for r in results)
-        if len(results) > n:       # best_of: the n with the highest log-probability
-            results = sorted(results, key=lambda r: -sum(e.logprob for e in r.logprobs))[:n]
+        kept = []                  # (prompt, result), n per prompt in order
+        for j in range(len(jobs)):
+            cands = results[j * per:(j + 1) * per]
+            if per > n:            # best_of: the n with the highest log-probability
+                cands = sorted(cands, key=lambda r: -sum(e.logprob for e in r.logprobs))[:n]
+            kept += [(j, r) for r in cands]
         choices = []
-        for i, r in enumerate(results):
-            text, entries = echoed(r)
+        for i, (j, r) in enumerate(kept):
+            text, entries = echoed(j, r)
             choice = ({"index": i, "message": {"role": "assistant", "content": text},
                        "finish_reason": r.reason} if chat else
                       {"index": i, "text": text, "finish_reason": r.reason})
             choice["logprobs"] = logprobs_of(i, entries)
             choices.append(choice)
         return {"id": rid, "object": obj, "created": created, "model": gateway.model_name,
-                "choices": choices, "usage": usage(len(ids), spent)}
+                "choices": choices, "usage": usage(prompt_tokens, spent)}
     # validate before the 200 goes out: a refused request raises APIError on its first item
     firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
     refused = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -386,7 +400,8 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
         try:
             async for i, item in merged():
                 spent[i], reason = item.n, item.reason
-                delta, entries = echoed(item) if not started[i] else (item.text, item.logprobs)
+                delta, entries = (echoed(owner[i], item) if not started[i]
+                                  else (item.text, item.logprobs))
                 started[i] = True
                 choice = ({"index": i, "delta": {"content": delta} if delta else {},
                            "finish_reason": reason} if chat else
@@ -397,7 +412,7 @@ async def respond(gateway: Gateway, req, ids, params, arrival, chat: bool, reque
             yield _sse(exc.body())
         else:
             if with_usage:
-                yield chunk([], usage(len(ids), sum(spent)))
+                yield chunk([], usage(prompt_tokens, sum(spent)))
             yield "data: [DONE]\n\n"
         finally:              # the client went away (or we finished): abort frees the KV
             await close_all()

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kernels.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
 MAX_CHOICES = 16          # most candidates one request may generate (`n`, `best_of`)
+MAX_PROMPTS = 128         # most prompts in one completions request (a batch)
 
 
 class APIError(Exception):
@@ -128,7 +129,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
+    # one prompt (text or token ids) or a batch of them; each gets its own n choices
+    prompt: str | list[int] | list[str] | list[list[int]]
     # the sampled token's log-prob and this many alternatives (OpenAI's legacy integer;
     # false and null ask for none)
     logprobs: bool | int | None = None
@@ -138,6 +140,15 @@ class CompletionRequest(_Common):
 
     def prompt_logprobs_k(self) -> int | None:
         return self.logprobs_k() if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each prompt as text or token ids."""
+        p = self.prompt
+        batch = [p] if isinstance(p, str) or not p or isinstance(p[0], int) else list(p)
+        if len(batch) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}",
+                           "prompt")
+        return batch
 
     def candidates(self) -> int:
         if self.best_of is None:

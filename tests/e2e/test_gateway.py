@@ -266,7 +266,7 @@ def test_completion_logprobs_are_the_models_own_and_stream_the_same(server):
                                 logprobs=3, extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     lp = choice.logprobs
-    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))[0]
     tokens, ref = reference_logprobs(gateway, ids, 6)
     words = gateway.words
     assert lp.tokens == [words.text(t) for t in tokens]
@@ -394,7 +394,7 @@ def test_best_of_returns_the_most_likely_candidates(server):
     resp = client(base).completions.create(model=MODEL, prompt=prompt, max_tokens=6,
                                            temperature=1.0, seed=3, n=2, best_of=5,
                                            extra_body={"ignore_eos": True})
-    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))[0]
     refs = seeded_runs(gateway, ids, range(3, 8), 6, ignore_eos=True)
     ranked = sorted(refs, key=lambda r: -sum(r.logprobs))
     assert [ch.text for ch in resp.choices] == [
@@ -449,7 +449,7 @@ def test_echo_returns_the_prompt_with_its_log_probs(server):
                                 logprobs=2, echo=True, extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     lp = choice.logprobs
-    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))
+    ids = gateway.completion_ids(CompletionRequest(model=MODEL, prompt=prompt))[0]
     words = gateway.words
     assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
     assert lp.tokens[:len(ids)] == [words.text(t) for t in ids]
@@ -474,5 +474,38 @@ def test_echo_returns_the_prompt_with_its_log_probs(server):
     bare = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
                                 echo=True, extra_body={"ignore_eos": True})
     assert bare.choices[0].text == choice.text and bare.choices[0].logprobs is None
+    eng = wait_idle(gateway)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_a_batch_of_prompts_gets_n_choices_each(server):
+    """A list of prompts (texts or token lists, as evaluation harnesses batch them): the
+    choices come back indexed prompt·n + choice, each the engine's answer to its prompt,
+    streamed too; usage sums over the batch."""
+    base, gateway = server
+    c = client(base)
+    texts = ["The capital of France is", "One, two, three,", "Water boils at"]
+    resp = c.completions.create(model=MODEL, prompt=texts, max_tokens=5, temperature=0, n=2,
+                                echo=True, extra_body={"ignore_eos": True})
+    served = gateway.backend.engine
+    ids = [gateway.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    refs = LLMEngine(served.model).generate(ids, GenerationParams(max_tokens=5,
+                                                                  ignore_eos=True))
+    want = [t + gateway.tokenizer.decode(r.output_ids, skip_special_tokens=True)
+            for t, r in zip(texts, refs)]
+    got = sorted(resp.choices, key=lambda ch: ch.index)
+    assert [ch.index for ch in got] == list(range(6))
+    assert [ch.text for ch in got] == [w for w in want for _ in range(2)]   # greedy: n alike
+    assert resp.usage.prompt_tokens == sum(map(len, ids))
+    assert resp.usage.completion_tokens == 6 * 5
+    by_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})
+    joined = {}
+    for ch in by_ids:
+        joined[ch.choices[0].index] = joined.get(ch.choices[0].index, "") + ch.choices[0].text
+    assert [joined[i] for i in range(3)] == [w[len(t):] for w, t in zip(want, texts)]
+    too_many = httpx.post(base + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ["hi"] * 129, "max_tokens": 1})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
