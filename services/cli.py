@@ -253,7 +253,7 @@ def _serve_cluster(args: argparse.Namespace) -> int:
         dtype=args.dtype, threads=args.threads or 1, host=args.host, use_gpu=args.gpu,
         prefill_replicas=prefill_replicas, prefill=options)
     app, cluster = build_cluster(config, address=args.address,
-                                 served_name=args.served_model_name)
+                                 served_name=args.served_model_name, api_key=args.api_key)
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
@@ -278,7 +278,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or 2)
     # bad prefill or prefix-cache settings, or maps: main() reports them, nothing starts
     app = build_embedded(args.model, served_name=args.served_model_name,
-                         dtype=DTYPES[args.dtype], options=_engine_options(args))
+                         dtype=DTYPES[args.dtype], options=_engine_options(args),
+                         api_key=args.api_key)
     print(f"splitstack serving {args.model} on http://{args.host}:{args.port}/v1 "
           f"(embedded engine, {args.prefill_mode} prefill"
           f"{', prefix cache' if args.prefix_cache else ''})", file=sys.stderr, flush=True)
@@ -419,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="name clients use (default: the directory name)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=_bounded(1, int, 65535), default=8000)
+    srv.add_argument("--api-key", default=os.environ.get("SPLITSTACK_API_KEY") or None,
+                     help="clients of /v1/ must send 'Authorization: Bearer KEY' (default: "
+                          "$SPLITSTACK_API_KEY; unset: no key)")
     srv.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     srv.add_argument("--max-num-seqs", type=_bounded(1), default=16)
     srv.add_argument("--kv-cache-gib", type=_bounded(1e-3, float), default=1.0,

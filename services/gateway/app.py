@@ -8,6 +8,7 @@ frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -182,9 +183,33 @@ class Gateway:
             self.metrics.running.set(self.backend.num_running())
 
 
-def build_app(gateway: Gateway) -> FastAPI:
+class RequireAPIKey:
+    """ASGI middleware: every `/v1/` route needs `Authorization: Bearer <key>` (vLLM's
+    `--api-key`); `/health` and `/metrics` stay open for probes and scrapers. Pure ASGI, so
+    streamed responses and disconnects pass through untouched."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
+                                      "<key>'", code="invalid_api_key")
+                response = JSONResponse(error.body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
+    """`api_key`: clients of the `/v1/` routes must send it as a bearer token."""
     app = FastAPI(title="splitstack")
     app.state.gateway = gateway
+    if api_key:
+        app.add_middleware(RequireAPIKey, key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):

@@ -16,7 +16,7 @@ from services.gateway.metrics import GatewayMetrics
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    dtype: torch.dtype = torch.float32, options: EngineOptions | None = None,
-                   **engine_options):
+                   api_key: str | None = None, **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
@@ -31,11 +31,11 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                       served_name or model_dir.name, engine.max_model_len,
                       default_temperature(model_dir), prefill_service=service,
                       metrics=GatewayMetrics(registry))
-    return build_app(gateway)
+    return build_app(gateway, api_key)
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
-                  num_cpus: int | None = None):
+                  num_cpus: int | None = None, api_key: str | None = None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.common.ray_deploy`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
@@ -54,4 +54,4 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
                       remote_prefill=bool(cluster.prefill_addresses))
-    return build_app(gateway), cluster
+    return build_app(gateway, api_key), cluster

@@ -509,3 +509,30 @@ def test_a_batch_of_prompts_gets_n_choices_each(server):
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
     eng = wait_idle(gateway)
     assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
+def test_api_key_guards_the_v1_routes():
+    """`--api-key`: /v1/ needs the bearer token (401 otherwise, nothing runs); /health and
+    /metrics stay open for probes and scrapers."""
+    from services.gateway.server import build_embedded
+    from tests.e2e.conftest import ZOO, running
+
+    app = build_embedded(ZOO, served_name=MODEL, api_key="s3cret")
+    with running(app) as base:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert httpx.get(base + "/v1/models").status_code == 401
+        assert httpx.get(base + "/health").status_code == 200
+        assert httpx.get(base + "/metrics").status_code == 200
+        keyed = openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0)
+        assert keyed.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices
+        streamed = "".join(ch.choices[0].text for ch in keyed.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=4, stream=True))
+        assert streamed
+        with pytest.raises(openai.AuthenticationError):
+            client(base).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        engine = app.state.gateway.backend.engine
+        assert engine.blocks.num_free == engine.blocks.num_blocks

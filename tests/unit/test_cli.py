@@ -169,3 +169,13 @@ def test_cluster_config_refuses_nonpositive_sizes():
     for name in ("max_num_seqs", "kv_cache_bytes", "threads", "block_size"):
         with pytest.raises(ValueError, match=name):
             ClusterConfig(model="unused", **{name: 0})
+
+
+def test_serve_api_key_from_flag_or_environment(monkeypatch):
+    from services.cli import build_parser
+
+    monkeypatch.delenv("SPLITSTACK_API_KEY", raising=False)
+    assert build_parser().parse_args(["serve"]).api_key is None
+    monkeypatch.setenv("SPLITSTACK_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "k"]).api_key == "k"
