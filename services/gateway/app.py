@@ -26,7 +26,7 @@ from services.gateway.logprobs import (TokenLogprob, TokenText, chat_logprobs,
                                        completion_logprobs)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       _Common)
+                                       DetokenizeRequest, TokenizeRequest, _Common)
 from services.prefill.service import RemotePrefill
 
 
@@ -51,10 +51,13 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
 
     # ---- request -> engine ----------------------------------------------------------
-    def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
-        if req.model != self.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves "
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", code="model_not_found")
+
+    def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
+        self.check_model(req.model)
         req.check_supported()
         if max_tokens is None:
             max_tokens = max(1, self.max_model_len - prompt_len)
@@ -245,6 +248,30 @@ def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         return {"object": "list", "data": [{"id": gateway.model_name, "object": "model",
                                             "created": 0, "owned_by": "splitstack",
                                             "max_model_len": gateway.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        """vLLM's: the prompt's token ids (or the chat template's, for messages)."""
+        gateway.check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            text = gateway.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt, tokenize=False)
+            ids = gateway.tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = gateway.tokenizer(req.prompt,
+                                    add_special_tokens=req.add_special_tokens)["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        gateway.check_model(req.model)
+        vocab = len(gateway.tokenizer)
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:4]}", "tokens")
+        return {"prompt": gateway.tokenizer.decode(req.tokens)}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -188,6 +188,28 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    model_config = STRICT
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True          # messages: end with the assistant's turn
+    add_special_tokens: bool = False            # prompt: the tokenizer's BOS / EOS
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send either prompt or messages", "prompt")
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+
+    model: str
+    tokens: list[int]
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None

@@ -536,3 +536,26 @@ def test_api_key_guards_the_v1_routes():
             client(base).completions.create(model=MODEL, prompt="Hello", max_tokens=2)
         engine = app.state.gateway.backend.engine
         assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_tokenize_and_detokenize(server):
+    """vLLM's /tokenize (a prompt, or messages through the chat template, exactly what a
+    chat request runs) and /detokenize, with their 4xx."""
+    base, gateway = server
+    text = "The capital of France is"
+    got = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": text}).json()
+    ids = gateway.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert got == {"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len}
+    chat = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": QUESTION}).json()
+    assert chat["tokens"] == gateway.chat_ids(ChatCompletionRequest(model=MODEL,
+                                                                    messages=QUESTION))
+    back = httpx.post(base + "/detokenize", json={"model": MODEL, "tokens": ids}).json()
+    assert back == {"prompt": text}
+    for path, body, status, param in [
+            ("/tokenize", {"model": MODEL}, 400, "prompt"),
+            ("/tokenize", {"model": MODEL, "prompt": "a", "messages": QUESTION}, 400, "prompt"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+            ("/detokenize", {"model": MODEL, "tokens": [1, 49152]}, 400, "tokens"),
+            ("/detokenize", {"model": MODEL, "tokens": ["a"]}, 400, "tokens")]:
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
