@@ -1,12 +1,13 @@
 """The OpenAI-compatible gateway over real HTTP, driven by the official `openai` client."""
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
-import torch
 import openai
 import pytest
+import torch
 
 from kernels.sampling import SamplingParams
 from services.engine import GenerationParams, LLMEngine
@@ -559,3 +560,38 @@ def test_tokenize_and_detokenize(server):
             ("/detokenize", {"model": MODEL, "tokens": ["a"]}, 400, "tokens")]:
         r = httpx.post(base + path, json=body)
         assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_concurrent_fanned_out_streams_with_disconnects_leak_nothing(server):
+    """Eight streamed requests at once, each with n = 2 choices and log-probs; every other
+    client hangs up after a few chunks. The rest finish whole, every choice's KV comes
+    back, and the server serves on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    base, gateway = server
+    aborted = gateway.metrics.requests.labels("abort")._value.get()
+
+    def one(i: int):
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 24,
+                "ignore_eos": True, "stream": True, "n": 2, "logprobs": 1,
+                "temperature": 1.0, "seed": i}
+        chunks, tokens = 0, [0, 0]
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    tokens[choice["index"]] += len(choice["logprobs"]["tokens"])
+                    chunks += 1
+                    if i % 2 and chunks == 4:
+                        return None                       # hang up mid-stream
+        return tokens
+
+    with ThreadPoolExecutor(8) as ex:
+        done = list(ex.map(one, range(8)))
+    assert all(t is None for t in done[1::2])
+    assert all(t == [24, 24] for t in done[0::2])         # every token of both choices
+    eng = wait_idle(gateway, timeout=60)
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+    assert gateway.metrics.requests.labels("abort")._value.get() == aborted + 4 * 2
+    assert client(base).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
