@@ -108,6 +108,26 @@ def test_disabled_fill_equals_exact_mode(rf_server):
     assert off.status_code == 200 and off.json()["choices"][0]["text"] == exact
 
 
+def test_log_probs_of_a_filled_prompt(rf_server):
+    """A RidgeFill request's tokens report log-probs like any other (the first token's come
+    from the fill's logits: with the fill disabled they equal exact mode's); the prompt's
+    own log-probs need every prompt row computed, so `echo` with `logprobs` is refused."""
+    base, gateway = rf_server
+    exact = complete(base, PROMPT, logprobs=3).json()["choices"][0]["logprobs"]
+    off = complete(base, PROMPT, logprobs=3, prefill_mode="ridgefill",
+                   ridgefill={"tail": 100000}).json()["choices"][0]["logprobs"]
+    assert off == exact and len(exact["tokens"]) == 8
+    filled = complete(base, PROMPT, logprobs=3, prefill_mode="ridgefill").json()
+    lp = filled["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == filled["usage"]["completion_tokens"]
+    assert all(len(top) >= 3 for top in lp["top_logprobs"])
+    refused = complete(base, PROMPT, logprobs=1, echo=True, prefill_mode="ridgefill")
+    assert refused.status_code == 400 and "exact prefill" in refused.json()["error"]["message"]
+    assert complete(base, PROMPT, logprobs=1, echo=True).status_code == 200   # exact mode
+    eng = gateway.backend.engine
+    assert eng.blocks.num_free == eng.blocks.num_blocks
+
+
 @pytest.mark.parametrize("extra, needle", [
     ({"prefill_mode": "ridgefill", "ridgefill": {"split": 0}}, "split"),
     ({"prefill_mode": "ridgefill", "ridgefill": {"selector": "psychic"}}, "selector"),
