@@ -161,17 +161,28 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]       # (token, log-prob) alternatives, most likely first
 
 
-def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprob]:
-    """logits [R, V] and the tokens that followed each row, targets [R] -> each target's
-    log-prob and the row's k most likely alternatives (a prompt's log-probs)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(-1, targets[:, None])[:, 0].tolist()
-    if k > 0:
-        values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
-    else:
-        tops = [[] for _ in chosen]
-    return [TokenLogprob(t, lp, top) for t, lp, top in zip(targets.tolist(), chosen, tops)]
+def score_rows(head, x: torch.Tensor, targets: torch.Tensor, k: int,
+               rows_per_call: int = 256) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prompt's log-probs: rows x [R, h] through `head` (to logits [rows, V]) a bounded
+    number at a time, with the token that followed each row, targets [R] -> (each target's
+    log-prob [R], the rows' k most likely tokens [R, k] and their log-probs [R, k])."""
+    chosen, ids, values = [], [], []
+    for a in range(0, x.shape[0], rows_per_call):
+        logprobs = torch.log_softmax(head(x[a:a + rows_per_call]).float(), dim=-1)
+        chosen.append(logprobs.gather(-1, targets[a:a + rows_per_call, None])[:, 0])
+        top = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        values.append(top.values)
+        ids.append(top.indices)
+    if not chosen:
+        return (torch.empty(0), torch.empty(0, k, dtype=torch.long), torch.empty(0, k))
+    return torch.cat(chosen), torch.cat(ids), torch.cat(values)
+
+
+def as_entries(targets: torch.Tensor, logprobs: torch.Tensor, ids: torch.Tensor,
+               values: torch.Tensor) -> list[TokenLogprob]:
+    """`score_rows`' tensors as one TokenLogprob per row."""
+    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(
+        targets.tolist(), logprobs.tolist(), ids.tolist(), values.tolist())]
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> list[tuple[int, float]]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.merge import combine_current, merge_many
-from kernels.sampling import TokenLogprob, sample
+from kernels.sampling import as_entries, sample
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
@@ -281,9 +281,8 @@ class AttentionService:
                 continue
             targets = torch.tensor([r.prompt_ids[positions[i] + 1] for i in rows],
                                    dtype=torch.long)
-            logprobs, ids, lps = self.pool.call("score", u[rows], targets, k)
-            r.prompt_logprobs = [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(
-                targets.tolist(), logprobs.tolist(), ids.tolist(), lps.tolist())]
+            r.prompt_logprobs = as_entries(targets,
+                                           *self.pool.call("score", u[rows], targets, k))
 
     def _full_attention(self, l, pending, seq_ids, pos, decode, u_prev):
         m = self.model

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import get_backend
-from kernels.sampling import score_tokens
+from kernels.sampling import as_entries, score_rows
 from kernels.attention.naive import PagedPlan
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
@@ -102,7 +102,7 @@ class ModelRunner:
                 self._score_prompt(c, x[row:row + n])
         return self.model.final(x[st.sample_rows]).float()
 
-    def _score_prompt(self, c, x: torch.Tensor, rows_per_call: int = 256) -> None:
+    def _score_prompt(self, c, x: torch.Tensor) -> None:
         """A chunk's prompt rows: each one's log-prob of the prompt token that follows it,
         appended to the sequence's `prompt_logprobs` (row j holds entry j; rows a preempted
         sequence computes again are not scored twice)."""
@@ -113,12 +113,10 @@ class ModelRunner:
             return
         if j0 != len(seq.prompt_logprobs):       # a gap would misalign the entries
             raise RuntimeError(f"prompt rows {len(seq.prompt_logprobs)}..{j0} were not scored")
-        for a in range(j0, j1, rows_per_call):    # bounded [rows, vocab] logits at a time
-            b = min(j1, a + rows_per_call)
-            targets = torch.tensor(seq.prompt_ids[a + 1:b + 1], device=x.device)
-            seq.prompt_logprobs += score_tokens(
-                self.model.final(x[a - c.start:b - c.start]), targets,
-                seq.params.prompt_logprobs)
+        targets = torch.tensor(seq.prompt_ids[j0 + 1:j1 + 1], device=x.device)
+        seq.prompt_logprobs += as_entries(targets, *score_rows(
+            self.model.final, x[j0 - c.start:j1 - c.start], targets,
+            seq.params.prompt_logprobs))
 
     def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors,
                         u: torch.Tensor | None) -> torch.Tensor:

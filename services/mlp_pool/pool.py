@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampling import SamplingParams, sample, score_tokens
+from kernels.sampling import SamplingParams, sample, score_rows
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
@@ -66,17 +66,11 @@ class MLPPool:
         return tokens, logprobs, logits
 
     @torch.inference_mode()
-    def score(self, u: torch.Tensor, targets: torch.Tensor, k: int, rows_per_call: int = 256):
+    def score(self, u: torch.Tensor, targets: torch.Tensor, k: int):
         """u [R, h] (input of the last feed-forward) and the token after each row [R] ->
         (their log-probs [R], the rows' k most likely tokens [R, k] and log-probs [R, k]):
         a prompt's log-probs, without sending [R, vocab] logits back."""
         self.calls += 1
         m = self.model
-        entries = []
-        for a in range(0, u.shape[0], rows_per_call):      # bounded [rows, vocab] logits
-            x = m.mlp(m.config.num_hidden_layers - 1, u[a:a + rows_per_call])
-            entries += score_tokens(m.final(x), targets[a:a + rows_per_call], k)
-        logprobs = torch.tensor([e.logprob for e in entries], dtype=torch.float32)
-        ids = torch.tensor([[t for t, _ in e.top] for e in entries], dtype=torch.long)
-        lps = torch.tensor([[lp for _, lp in e.top] for e in entries], dtype=torch.float32)
-        return logprobs, ids.view(len(entries), k), lps.view(len(entries), k)
+        last = m.config.num_hidden_layers - 1
+        return score_rows(lambda x: m.final(m.mlp(last, x)), u, targets, k)
