@@ -16,7 +16,8 @@ time, only their shapes). Also prints the map memory.
 
     python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
                                    [--tail 512] [--reps 5] [--context-rows 0]
-                                   [--selector none --budget 0.1] [--device cuda --dtype bfloat16]
+                                   [--selector none --budget 0.1] [--fill-dtypes model,bfloat16]
+                                   [--device cuda --dtype bfloat16]
 
 `--context-rows c` calibrates maps that also read the c previous rows' split states (the
 map's input grows from d to d·(1+c) features; c = 0 is the paper's map). `--selector probe
@@ -59,7 +60,8 @@ def timed(fn) -> float:
 
 def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Path,
                  context_rows: int = 0, selector: str = "none", budget: float = 0.1,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[dict]:
+                 device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 fill_dtypes: tuple[str, ...] = ("model",)) -> list[dict]:
     cfg = dict(load_configs("bench")[family])
     cfg["max_position_embeddings"] = max(lengths) * 2
     path = tmp / family
@@ -73,10 +75,14 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
     calibrate(model, iter(docs), CalibConfig(splits=(split,), max_len=512, heldout_docs=1,
                                              context_rows=context_rows),
               path / "maps", log=lambda *_: None)
-    resident = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
-                                                   split=split, tail=tail))
-    streamed = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=str(path / "maps"),
-                                                   split=split, tail=tail, resident=False))
+    def service(fill_dtype: str, resident: bool = True) -> PrefillService:
+        return PrefillService(model, PrefillConfig(
+            mode="ridgefill", maps_dir=str(path / "maps"), split=split, tail=tail,
+            resident=resident, fill_dtype=fill_dtype))
+
+    services = {fd: service(fd) for fd in fill_dtypes}
+    resident = services[fill_dtypes[0]]
+    streamed = service(fill_dtypes[0], resident=False)
     maps_r, maps_s = resident.maps(split), streamed.maps(split)
     layer_bytes = max(maps_r.get(l)[0].numel() * maps_r.get(l)[0].element_size()
                       for l in maps_r.layers) if maps_r.layers else 0
@@ -87,27 +93,32 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
         # random checkpoints have no tokenizer: the probe's lexical net is off (with a real
         # one it costs 4 ms of Python at 8K tokens, 7.5 ms at 16K)
         fill = FillSettings(split=split, tail=tail, selector=selector, budget=budget, lexical=0.0)
-        resident.prefill(ids[:256], exact)                       # warm the kernels
-        t_exact, t_fill = [], []
+        for svc in services.values():                            # warm the kernels
+            svc.prefill(ids[:256], exact)
+            svc.prefill(ids[:1024], fill)
+        t_exact, t_fill = [], {fd: [] for fd in fill_dtypes}
         for _ in range(reps):                                    # alternate the arms
             t_exact.append(timed(lambda: resident.prefill(ids, exact)))
-            t_fill.append(timed(lambda: resident.prefill(ids, fill)))
+            for fd, svc in services.items():
+                t_fill[fd].append(timed(lambda: svc.prefill(ids, fill)))
         t_stream = timed(lambda: streamed.prefill(ids, fill))
-        e, f = statistics.median(t_exact), statistics.median(t_fill)
-        # the speedup is the median of the paired ratios: each exact run against the fill run
-        # right after it, so that the VM's drift over a run cancels within a pair
-        speedup = statistics.median(a / b for a, b in zip(t_exact, t_fill))
+        e = statistics.median(t_exact)
         bound = 1.0 / fill.compute_share(L, n)
-        rows.append({"family": family, "n": n, "S": split, "L": L, "T": tail, "c": context_rows,
-                     "exact_s": e, "ridgefill_s": f, "speedup": speedup, "bound": bound,
-                     "share": speedup / bound, "streamed_s": t_stream,
-                     "maps_resident_mib": maps_r.resident_bytes / 2**20,
-                     "maps_streamed_peak_mib": layer_bytes / 2**20,
-                     "maps_file_mib": maps_s.file_bytes / 2**20})
-        r = rows[-1]
-        print(f"{family:>9} N={n:>6}: exact {e:7.2f}s  ridgefill {f:7.2f}s  speedup "
-              f"{r['speedup']:.2f}× / bound {bound:.2f}× = {100 * r['share']:.0f}%  "
-              f"(streamed maps {t_stream:.2f}s)", flush=True)
+        for fd in fill_dtypes:
+            f = statistics.median(t_fill[fd])
+            # the speedup is the median of the paired ratios: each exact run against the
+            # fill run right after it, so that the VM's drift over a run cancels in a pair
+            speedup = statistics.median(a / b for a, b in zip(t_exact, t_fill[fd]))
+            rows.append({"family": family, "n": n, "S": split, "L": L, "T": tail,
+                         "c": context_rows, "fill_dtype": fd,
+                         "exact_s": e, "ridgefill_s": f, "speedup": speedup, "bound": bound,
+                         "share": speedup / bound, "streamed_s": t_stream,
+                         "maps_resident_mib": maps_r.resident_bytes / 2**20,
+                         "maps_streamed_peak_mib": layer_bytes / 2**20,
+                         "maps_file_mib": maps_s.file_bytes / 2**20})
+            print(f"{family:>9} N={n:>6} fill {fd:>8}: exact {e:7.2f}s  ridgefill {f:7.2f}s  "
+                  f"speedup {speedup:.2f}× / bound {bound:.2f}× = {100 * speedup / bound:.0f}%"
+                  f"  (streamed maps, {fill_dtypes[0]}: {t_stream:.2f}s)", flush=True)
     return rows
 
 
@@ -124,6 +135,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=0.1, help="the selector's share of the prefix")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    ap.add_argument("--fill-dtypes", default="model",
+                    help="filled rows' map and projections: model and/or bfloat16, each its own "
+                         "fill arm, alternated with exact in the same reps")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc malloc as it is (the serving processes keep freed memory, "
                          "services/common/allocator.py)")
@@ -140,7 +154,7 @@ def main() -> int:
         for family in args.families.split(","):
             rows += bench_family(family, lengths, args.tail, args.reps, Path(tmp),
                                  args.context_rows, args.selector, args.budget, args.device,
-                                 getattr(torch, args.dtype))
+                                 getattr(torch, args.dtype), tuple(args.fill_dtypes.split(",")))
     print(f"\nmalloc: {'freed memory kept (as served)' if kept else 'glibc defaults'}; "
           f"subnormals: {'flushed to zero (as served)' if flushed else 'kept'}; "
           "speedup = median of the paired exact/fill ratios")
@@ -149,12 +163,12 @@ def main() -> int:
     if args.device != "cpu":
         print(f"\ndevice {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}"
               f", {args.dtype}")
-    print("\n| config | N | S/L | T | context rows | exact (s) | RidgeFill (s) | speedup | "
-          "bound 1/r | share of bound | streamed maps (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| config | N | S/L | T | context rows | fill dtype | exact (s) | RidgeFill (s) | "
+          "speedup | bound 1/r | share of bound | streamed maps (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['family']} | {r['n']} | {r['S']}/{r['L']} | {r['T']} | {r['c']} | "
-              f"{r['exact_s']:.2f} | "
+              f"{r['fill_dtype']} | {r['exact_s']:.2f} | "
               f"{r['ridgefill_s']:.2f} | {r['speedup']:.2f}× | {r['bound']:.2f}× | "
               f"{100 * r['share']:.0f}% | {r['streamed_s']:.2f} |")
     seen = set()

@@ -25,12 +25,26 @@ def register_arm(name: str):
     return wrap
 
 
+# `ARM@DTYPE` runs a fill arm's filled rows (map, norm, projections) in DTYPE
+# (services/prefill/fill_layers.py); it is paired with ARM itself when both run
+FILL_DTYPE_SUFFIXES = ("bfloat16",)
+
+
 def make_arm(name: str, model: CausalLM, **options) -> "Arm":
     import evals.ridgefill_arms  # noqa: F401  (the built-in arms register on import)
     import evals.tailreplay_arms  # noqa: F401
-    if name not in ARMS:
-        raise ValueError(f"unknown arm {name!r}; registered: {sorted(ARMS)}")
-    return ARMS[name](model, **options)
+    base, _, fill_dtype = name.partition("@")
+    if base not in ARMS:
+        raise ValueError(f"unknown arm {base!r}; registered: {sorted(ARMS)}")
+    if fill_dtype:
+        cls = ARMS[base]
+        if fill_dtype not in FILL_DTYPE_SUFFIXES or not getattr(cls, "takes_fill_dtype", False):
+            raise ValueError(f"arm {name!r}: only RidgeFill-family arms take a fill dtype, "
+                             f"one of {FILL_DTYPE_SUFFIXES}")
+        arm = cls(model, fill_dtype=fill_dtype, **options)
+        arm.name = name
+        return arm
+    return ARMS[base](model, **options)
 
 
 class Arm(ABC):

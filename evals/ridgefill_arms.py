@@ -10,6 +10,7 @@
     ridgefill+terminal      terminal-state correction (hybrids)
     ridgefill+splice-{k,v,kv}   exact keys / values / both swapped into filled rows
     nofill+longtail         no fill, the tail lengthened to the fill's cost
+    ARM@bfloat16            any of these with the filled rows' own work in bf16
 
 Options (from `splitstack eval`): maps_dir, split, tail (default: the eval tail), budget.
 Completions prefill through `RidgeFill` and decode greedily over the resulting cache with
@@ -25,6 +26,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
+from services.prefill.fill_layers import FillLayers, parse_fill_dtype
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
@@ -96,11 +98,14 @@ def greedy_from_prefill(model: CausalLM, res: PrefillResult, n_prompt: int,
 
 
 class FillArm(Arm):
-    """A RidgeFill-family arm; subclasses only fix `base` settings."""
+    """A RidgeFill-family arm; subclasses only fix `base` settings. `fill_dtype` (the arm
+    name's `@bfloat16`) runs the filled rows' own work in that dtype."""
     base: dict = {}
+    takes_fill_dtype = True
 
     def __init__(self, model: CausalLM, *, maps_dir=None, split=None, tail=256, budget=0.1,
-                 lexicon: Lexicon | None = None, lexical: float | None = None, **options):
+                 lexicon: Lexicon | None = None, lexical: float | None = None,
+                 fill_dtype: str = "model", **options):
         super().__init__(model, **options)
         L = model.config.num_hidden_layers
         split = split or L // 2
@@ -120,11 +125,13 @@ class FillArm(Arm):
         if maps_dir is None and (needs_maps or self.settings.selector == "protected"):
             raise ValueError(f"arm {self.name!r} needs calibrated maps: pass --maps "
                              f"(splitstack calibrate writes them)")
-        maps = RidgeMaps(maps_dir, model, split) if needs_maps else None
+        layers = FillLayers(model, parse_fill_dtype(fill_dtype))
+        maps = RidgeMaps(maps_dir, model, split, dtype=layers.dtype) if needs_maps else None
         unigram = token_class = None
         if self.settings.selector == "protected":
             unigram, token_class = load_unigram(maps_dir, model)
-        self.fill = RidgeFill(model, maps, unigram, token_class, lexicon=lexicon)
+        self.fill = RidgeFill(model, maps, unigram, token_class, lexicon=lexicon,
+                              fill_layers=layers)
 
     def _settings(self, n: int) -> FillSettings:
         s = self.settings

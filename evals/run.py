@@ -125,7 +125,7 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
                          f"{MAX_ANSWER_TOKENS} kept for the answer)")
     # the probe arms' lexical net reads the tokenizer's pieces
     options = {"tail": cfg.tail_len, **(arm_options or {})}
-    if any(name.endswith("+probe") for name in arm_names):
+    if any(name.partition("@")[0].endswith("+probe") for name in arm_names):
         options.setdefault("lexicon", Lexicon.from_tokenizer(tokenizer, model.config.vocab_size))
     arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
                 for name in arm_names}
@@ -155,7 +155,7 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
     summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
                "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
     summary["paired_vs_identity"], summary["paired_vs_zero-only"] = {}, {}
-    summary[MATCHED] = {}
+    summary[MATCHED], summary[SAME_ARM] = {}, {}
     for name, res in results.items():
         arm_sum = summary["arms"][name] = {}
         for metric, groups in res.values.items():
@@ -181,16 +181,21 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
 # same selector (`identity+probe`): both compute the same kind of rows exactly, so the
 # difference is the fill of the rest
 MATCHED = "paired_vs_identity_same_selector"
+# an arm in another fill dtype (`ridgefill@bfloat16`) against the same arm in the model's
+SAME_ARM = "paired_vs_model_dtype"
 
 
 def _references(name: str, results) -> list[tuple[str, str]]:
     """(summary key, reference arm) pairs that arm `name` is compared with."""
     refs = [(f"paired_vs_{ref}", ref) for ref in ("exact", "identity", "zero-only")
             if name != ref and ref in results]
-    if name.startswith("ridgefill+"):
-        twin = "identity+" + name.split("+", 1)[1]
+    base, _, fill_dtype = name.partition("@")
+    if base.startswith("ridgefill+"):
+        twin = "identity+" + base.split("+", 1)[1] + (f"@{fill_dtype}" if fill_dtype else "")
         if twin in results:
             refs.append((MATCHED, twin))
+    if fill_dtype and base in results:
+        refs.append((SAME_ARM, base))
     return refs
 
 
@@ -230,7 +235,8 @@ def markdown_table(summary: dict) -> str:
                 lines.append(f"| {metric} | {group} | {fmt(s['mean'])} | "
                              f"[{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | {s['n']} |")
         lines.append("")
-    for key in ("paired_vs_exact", "paired_vs_identity", "paired_vs_zero-only", MATCHED):
+    for key in ("paired_vs_exact", "paired_vs_identity", "paired_vs_zero-only", MATCHED,
+                SAME_ARM):
         for name, metrics in summary.get(key, {}).items():
             lines.append(f"### `{name}` − `{metrics['against']}` (paired)\n")
             lines.append("| metric | mean | 95% CI |\n|---|---|---|")

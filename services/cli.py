@@ -224,7 +224,7 @@ def _engine_options(args: argparse.Namespace):
                             selector=args.selector, budget=args.budget,
                             value_rescale=args.value_rescale, key_rescale=args.key_rescale,
                             terminal_correction=args.terminal_correction,
-                            lexical=args.lexical)
+                            lexical=args.lexical, fill_dtype=args.fill_dtype)
     if not args.prefix_cache and (args.redis_url or args.reuse_filled):
         raise ValueError("--redis-url and --reuse-filled need --prefix-cache")
     return EngineOptions(max_num_seqs=args.max_num_seqs,
@@ -458,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--maps", help="maps directory from `splitstack calibrate`")
     rf.add_argument("--maps-streamed", action="store_true",
                     help="read maps one layer at a time instead of keeping them resident")
+    rf.add_argument("--fill-dtype", choices=["model", "bfloat16"], default="model",
+                    help="precision of the filled rows' map, norm and K/V (or Gated DeltaNet "
+                         "input) projections; exact rows keep the model's dtype. bfloat16 "
+                         "speeds the fill on CPUs with bf16 products")
     rf.add_argument("--split", type=int, default=None, help="split S (default: half depth)")
     rf.add_argument("--tail", type=int, default=256, help="exact tail T")
     rf.add_argument("--selector", default="none",

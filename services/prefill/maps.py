@@ -315,12 +315,13 @@ def _layout(meta: dict) -> tuple[int, int]:
 class RidgeMaps:
     """The maps of one split, checked against the model; resident, or streamed per layer.
 
-    `get(l)` -> (A [d, d] fp32 in the model's device, b [d]). Streamed maps read layer l
-    from the file when asked and keep nothing.
+    `get(l)` -> (A [d, d·(1+c)], b [d]) on the model's device, in `dtype` (default: the
+    model's; a fill in bf16 keeps them as stored). Streamed maps read layer l from the file
+    when asked and keep nothing.
     """
 
     def __init__(self, maps_dir: str | Path, model: CausalLM, split: int, *,
-                 resident: bool = True):
+                 resident: bool = True, dtype: torch.dtype | None = None):
         self.path = Path(maps_dir) / f"maps-S{split}.safetensors"
         if not self.path.exists():
             raise MapsError(f"no maps for split {split} in {maps_dir} "
@@ -335,9 +336,11 @@ class RidgeMaps:
         if int(self.meta["split"]) != split:
             raise MapsError(f"{self.path} holds split {self.meta['split']}, not {split}")
         self.split, self.model = split, model
-        self.device, self.dtype = model.device, model.dtype
+        self.device, self.dtype = model.device, dtype or model.dtype
         self.layers = upper_layers(model.config.num_hidden_layers, split)
         self.map_id = f"{fp}/S{split}/λ{self.meta['lambda']}"
+        if self.dtype != model.dtype:          # a fill in another precision is another fill
+            self.map_id += f"/{str(self.dtype).removeprefix('torch.')}"
         # rows left out of calibration (fills keep them exact, as the maps never saw them)
         # and previous rows the map reads
         self.sink_rows, self.context_rows = _layout(self.meta)

@@ -7,7 +7,8 @@
                     filled rows F = prefix − selected: only this layer's norm and K/V
                       projections (GDN: its input projections) on
                       x̂_l = A_l x_S + b_l (ridge) | x_S (identity) | nothing (none);
-                      layer S reads x_S itself, so its filled KV is exact
+                      layer S reads x_S itself, so its filled KV is exact; this work
+                      runs in the fill's dtype (the model's, or bf16: fill_layers.py)
                     GDN layers run their state update over E ∪ F in position order
 
 With the fill disabled (S = L or T ≥ N) every row runs every layer through the same calls,
@@ -25,6 +26,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
+from services.prefill.fill_layers import FillLayers
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, context_features
 
@@ -164,13 +166,17 @@ class PrefillResult:
 class RidgeFill:
     """One model's prefill, exact or filled. `maps` (for `fill="ridge"`) must match the
     split; `unigram` / `token_class` feed the `protected` selector, `lexicon` (from the
-    model's tokenizer) the `probe` selector's lexical net."""
+    model's tokenizer) the `probe` selector's lexical net. `fill_layers` runs the filled rows'
+    norm and projections (in the model's dtype unless it was made for a lower one; the maps
+    are then loaded in that dtype too)."""
 
     def __init__(self, model: CausalLM, maps: RidgeMaps | None = None,
                  unigram: torch.Tensor | None = None, token_class: torch.Tensor | None = None,
-                 attention_backend: str | None = None, lexicon: Lexicon | None = None):
+                 attention_backend: str | None = None, lexicon: Lexicon | None = None,
+                 fill_layers: FillLayers | None = None):
         self.model = model
         self.maps = maps
+        self.fill_layers = fill_layers or FillLayers(model)
         self.unigram, self.token_class = unigram, token_class
         self.lexicon = lexicon
         self.attn = get_backend(attention_backend, model.device)
@@ -315,7 +321,7 @@ class RidgeFill:
         if l == s.split or s.fill == "identity":
             return feats[:, :self.model.config.hidden_size]
         a, b = self.maps.get(l)
-        return torch.addmm(b, feats, a.T)
+        return torch.addmm(b, feats.to(a.dtype), a.T)
 
     def _upper(self, s, x_split, xe, he, exact, filled, p, res, exact_kv, *,
                record_state_at=None, collect=None, memo=None):
@@ -341,8 +347,8 @@ class RidgeFill:
                         k[filled], v[filled] = 0, 0
                         valid[filled] = False
                     else:
-                        kf, vf = _memo_get(memo, l, filled, lambda: m.attn_key_value(
-                            l, m.norm_in(l, self._fill_input(s, l, feats_f)), filled))
+                        kf, vf = _memo_get(memo, l, filled, lambda: self.fill_layers.key_value(
+                            l, self._fill_input(s, l, feats_f), filled))
                         if l > s.split and (nv or nk) and tail_rows.numel():
                             # per-KV-head magnitude ratios exact / predicted on the first
                             # c tail rows, once per distinct c: {c: (key scale, value scale)}
@@ -395,8 +401,8 @@ class RidgeFill:
         dest[order] = torch.arange(order.numel(), device=order.device)
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
-            inp_f = _memo_get(memo, l, filled, lambda: m.gdn_inputs(
-                l, self._fill_input(s, l, feats_f), with_z=False))
+            inp_f = _memo_get(memo, l, filled, lambda: self.fill_layers.gdn_inputs(
+                l, self._fill_input(s, l, feats_f)))
             seq = GDNInputs(*(None if te is None else _interleave(te, tf, exact, filled, dest)
                               for te, tf in zip((inp_e.mixed, None, inp_e.b, inp_e.a),
                                                 (inp_f.mixed, None, inp_f.b, inp_f.a))))
@@ -425,10 +431,9 @@ class RidgeFill:
     def _norm_scales(self, s, l, x_split, k_exact_rows, v_exact_rows, exact, rows):
         """Per KV head: mean over `rows` (the first c tail rows) of ‖k_exact‖ / ‖k(x̂)‖ and
         ‖v_exact‖ / ‖v(x̂)‖ -> ([KV], [KV]). Rotary keeps norms, so rotated keys compare."""
-        m = self.model
         idx = torch.searchsorted(exact, rows)
-        k_pred, v_pred = m.attn_key_value(
-            l, m.norm_in(l, self._fill_input(s, l, self._features(s, x_split, rows))), rows)
+        k_pred, v_pred = self.fill_layers.key_value(
+            l, self._fill_input(s, l, self._features(s, x_split, rows)), rows)
 
         def ratio(true, pred):
             r = true.float().norm(dim=-1) / pred.float().norm(dim=-1).clamp_min(1e-12)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.model import CausalLM
+from services.prefill.fill_layers import FILL_DTYPES, FillLayers, parse_fill_dtype
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import MapsError, RidgeMaps, load_unigram
 from services.prefill.ridgefill import FillError, FillSettings, PrefillResult, RidgeFill
@@ -45,10 +46,14 @@ class PrefillConfig:
     key_rescale: int = 0
     terminal_correction: bool = False
     lexical: float = 0.05            # the probe's lexical-net share (needs the tokenizer)
+    fill_dtype: str = "model"        # filled rows' map and projections: model | bfloat16
 
     def __post_init__(self):
         if self.mode not in PREFILL_MODES:
             raise FillError(f"prefill mode must be one of {PREFILL_MODES}, got {self.mode!r}")
+        if self.fill_dtype not in FILL_DTYPES:
+            raise FillError(f"fill dtype must be one of {sorted(FILL_DTYPES)}, "
+                            f"got {self.fill_dtype!r}")
 
 
 class PrefillService:
@@ -61,6 +66,7 @@ class PrefillService:
         self.L = model.config.num_hidden_layers
         self._maps: dict[int, RidgeMaps] = {}
         self._lock = threading.Lock()
+        self.fill_layers = FillLayers(model, parse_fill_dtype(config.fill_dtype))
         self.unigram = self.token_class = None
         if config.maps_dir:
             if not Path(config.maps_dir).is_dir():
@@ -85,7 +91,8 @@ class PrefillService:
         with self._lock:
             if split not in self._maps:
                 self._maps[split] = RidgeMaps(self.config.maps_dir, self.model, split,
-                                              resident=self.config.resident)
+                                              resident=self.config.resident,
+                                              dtype=self.fill_layers.dtype)
             return self._maps[split]
 
     def resolve(self, mode: str | None, overrides: dict | None, n: int) -> FillSettings | None:
@@ -120,7 +127,7 @@ class PrefillService:
     def _fill(self, s: FillSettings) -> RidgeFill:
         maps = self.maps(s.split) if s.enabled(self.L, 1 << 30) else None
         return RidgeFill(self.model, maps, self.unigram, self.token_class,
-                         lexicon=self.lexicon)
+                         lexicon=self.lexicon, fill_layers=self.fill_layers)
 
     def prefill(self, ids: list[int], s: FillSettings, n_logits: int = 1) -> PrefillResult:
         start = time.perf_counter()
