@@ -7,35 +7,10 @@ from safetensors.torch import load_file
 
 from evals.arms import make_arm
 from evals.run import SAME_ARM, _references
-from models import load_model
-from models.random_checkpoint import save_random_checkpoint
 from services.prefill.fill_layers import FillLayers, parse_fill_dtype
-from services.prefill.maps import CalibConfig, RidgeMaps, calibrate
+from services.prefill.maps import RidgeMaps
 from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_configs):
-    """family -> (model, maps_dir) for a 4-layer checkpoint with split-1 maps."""
-    out = {}
-
-    def get(family):
-        if family not in out:
-            cfg = dict(tiny_configs[family], num_hidden_layers=4)
-            cfg.pop("layer_types", None)
-            path = tmp_path_factory.mktemp(f"fd-{family}")
-            save_random_checkpoint(cfg, path, seed=5, std=0.1)
-            model = load_model(path)
-            g = torch.Generator().manual_seed(1)
-            docs = [torch.randint(0, 1000, (160,), generator=g).tolist() for _ in range(4)]
-            calibrate(model, iter(docs), CalibConfig(splits=(1,), max_len=128, heldout_docs=1,
-                                                     sink_rows=0),
-                      path / "maps", log=lambda *_: None)
-            out[family] = (model, path / "maps")
-        return out[family]
-
-    return get
 
 
 def _ids(n: int) -> list[int]:
@@ -49,10 +24,10 @@ def _fill(model, maps_dir, dtype):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_5"])
-def test_bf16_fill_rounds_only_the_filled_rows(tiny, family):
+def test_bf16_fill_rounds_only_the_filled_rows(four_layer, family):
     """Filled rows' K/V (or GDN state) in bf16 sit within bf16 rounding of the fp32 fill; the
     exact rows' own computation is unchanged, so with nothing filled the two agree bitwise."""
-    model, maps_dir = tiny(family)
+    model, maps_dir = four_layer(family)
     s = FillSettings(split=1, tail=12)
     ids = _ids(70)
     ref = _fill(model, maps_dir, None).prefill(ids, s)
@@ -79,11 +54,11 @@ def test_bf16_fill_rounds_only_the_filled_rows(tiny, family):
     assert torch.equal(a.logits, b.logits)
 
 
-def test_bf16_maps_are_the_stored_tensors(tiny):
+def test_bf16_maps_are_the_stored_tensors(four_layer):
     """Maps for a bf16 fill are the file's bf16 matrices as stored (no fp32 round trip), and
     the filled keys come from them: the bf16 fill's keys differ from a fill that applies the
     same maps in fp32 by bf16 rounding only."""
-    model, maps_dir = tiny("llama3")
+    model, maps_dir = four_layer("llama3")
     stored = load_file(str(maps_dir / "maps-S1.safetensors"))
     maps = RidgeMaps(maps_dir, model, 1, dtype=torch.bfloat16)
     for l in maps.layers:
@@ -95,8 +70,8 @@ def test_bf16_maps_are_the_stored_tensors(tiny):
     assert maps.resident_bytes * 2 == RidgeMaps(maps_dir, model, 1).resident_bytes
 
 
-def test_service_fill_dtype_flag_and_disabled_fill_is_still_exact(tiny):
-    model, maps_dir = tiny("qwen3_5")
+def test_service_fill_dtype_flag_and_disabled_fill_is_still_exact(four_layer):
+    model, maps_dir = four_layer("qwen3_5")
     with pytest.raises(FillError, match="fill dtype"):
         PrefillConfig(fill_dtype="fp8")
     with pytest.raises(ValueError, match="fill dtype"):
@@ -121,8 +96,8 @@ def test_service_fill_dtype_flag_and_disabled_fill_is_still_exact(tiny):
     assert low.fill_layers.copy_bytes <= upper
 
 
-def test_eval_arm_suffix_runs_the_arm_in_bf16_and_pairs_it_with_itself(tiny):
-    model, maps_dir = tiny("llama3")
+def test_eval_arm_suffix_runs_the_arm_in_bf16_and_pairs_it_with_itself(four_layer):
+    model, maps_dir = four_layer("llama3")
     arm = make_arm("ridgefill@bfloat16", model, maps_dir=maps_dir, split=1, tail=10)
     assert arm.name == "ridgefill@bfloat16" and arm.fill.fill_layers.lowered
     assert arm.fill.maps.get(3)[0].dtype == torch.bfloat16

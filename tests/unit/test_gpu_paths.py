@@ -11,7 +11,7 @@ from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.maps import RidgeMaps
 from services.prefill.ridgefill import FillSettings, RidgeFill
-from tests.unit.test_ridgefill import FAMILIES, four_layer, prompt  # noqa: F401 (fixture)
+from tests.unit.test_ridgefill import FAMILIES, prompt
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def test_engine_on_cuda_matches_cpu(family, tiny_checkpoint):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_ridgefill_on_cuda_matches_cpu(family, four_layer, tiny_checkpoint):  # noqa: F811
+def test_ridgefill_on_cuda_matches_cpu(family, four_layer, tiny_checkpoint):
     """The same maps on both devices: a filled prefill (split 2, a selector, value rescale)
     gives the CPU's KV, GDN states and logits; disabled, the CUDA engine's cache bitwise."""
     model, maps_dir = four_layer(family)

@@ -8,8 +8,6 @@ import torch
 from safetensors.torch import load_file
 
 from evals.ridgefill_arms import greedy_from_prefill, map_cost_ratio
-from models import load_model
-from models.random_checkpoint import save_random_checkpoint
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.capture import exact_pass
 from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, calibrate,
@@ -19,32 +17,6 @@ from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
 
 FAMILIES = ["qwen3", "llama3", "qwen3_next", "qwen3_5"]
-
-
-@pytest.fixture(scope="module")
-def four_layer(tmp_path_factory, tiny_configs):
-    """family -> (model, maps_dir): 4-layer tiny checkpoints with maps for splits 1 and 2."""
-    out = {}
-
-    def get(family):
-        if family not in out:
-            cfg = dict(tiny_configs[family], num_hidden_layers=4)
-            cfg.pop("layer_types", None)
-            path = tmp_path_factory.mktemp(f"rf-{family}")
-            save_random_checkpoint(cfg, path, seed=3, std=0.1)
-            model = load_model(path)
-            g = torch.Generator().manual_seed(0)
-            docs = [torch.randint(0, 1000, (200,), generator=g).tolist() for _ in range(6)]
-            maps_dir = path / "maps"
-            # random weights have no attention sink: every row is fitted (and fillable);
-            # test_sink_rows_stay_out_of_the_fit_and_exact covers the default
-            calibrate(model, iter(docs), CalibConfig(splits=(1, 2), max_len=128, heldout_docs=2,
-                                                     sink_rows=0),
-                      maps_dir, log=lambda *_: None)
-            out[family] = (model, maps_dir)
-        return out[family]
-
-    return get
 
 
 def prompt(n, seed=0):
