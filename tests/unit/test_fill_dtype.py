@@ -111,3 +111,14 @@ def test_eval_arm_suffix_runs_the_arm_in_bf16_and_pairs_it_with_itself(four_laye
     refs = _references("ridgefill+probe@bfloat16", results)
     assert ("paired_vs_identity_same_selector", "identity+probe@bfloat16") in refs
     assert all(key != SAME_ARM for key, _ in refs)           # no model-dtype twin in the run
+
+
+def test_serve_flag_reaches_the_prefill_config():
+    from services.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--fill-dtype", "bfloat16"])
+    assert _engine_options(args).prefill.fill_dtype == "bfloat16"
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert _engine_options(args).prefill.fill_dtype == "model"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--fill-dtype", "float16"])
