@@ -13,6 +13,7 @@ import torch
 from models.model import CausalLM
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.kv_cache import CacheStorage
+from services.prefill.fill_layers import FILL_DTYPES
 
 ARMS: dict[str, type["Arm"]] = {}
 
@@ -27,7 +28,7 @@ def register_arm(name: str):
 
 # `ARM@DTYPE` runs a fill arm's filled rows (map, norm, projections) in DTYPE
 # (services/prefill/fill_layers.py); it is paired with ARM itself when both run
-FILL_DTYPE_SUFFIXES = ("bfloat16",)
+FILL_DTYPE_SUFFIXES = tuple(name for name in FILL_DTYPES if name != "model")
 
 
 def make_arm(name: str, model: CausalLM, **options) -> "Arm":

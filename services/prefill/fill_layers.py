@@ -12,7 +12,7 @@ bf16 rounding of 0.4%. So it may run in a lower precision than the exact rows:
                                    Gated DeltaNet state sweep (which stays fp32)
 
 On a CPU with bf16 products (AVX512-BF16 / AMX) those GEMMs run about 4x faster than fp32
-(bench/ridgefill_ttft.py --fill-dtype). `dtype=None` keeps the model's dtype: every call is
+(bench/ridgefill_ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's dtype: every call is
 then the model's own stage call, unchanged.
 """
 from __future__ import annotations
@@ -26,11 +26,11 @@ from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
 
-FILL_DTYPES = {"model": None, "bfloat16": torch.bfloat16, "float32": torch.float32}
+FILL_DTYPES = {"model": None, "bfloat16": torch.bfloat16}
 
 
 def parse_fill_dtype(name: str) -> torch.dtype | None:
-    """'model' | 'bfloat16' | 'float32' -> a dtype (None: the model's own)."""
+    """'model' | 'bfloat16' -> a dtype (None: the model's own)."""
     if name not in FILL_DTYPES:
         raise ValueError(f"fill dtype must be one of {sorted(FILL_DTYPES)}, got {name!r}")
     return FILL_DTYPES[name]
