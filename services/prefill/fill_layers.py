@@ -14,6 +14,9 @@ bf16 rounding of 0.4%. So it may run in a lower precision than the exact rows:
 On a CPU with bf16 products (AVX512-BF16 / AMX) those GEMMs run about 4x faster than fp32
 (bench/ridgefill_ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's dtype: every call is
 then the model's own stage call, unchanged.
+
+Only the submodules a filled row runs are copied (FILLED_ATTN_MODULES, FILLED_GDN_MODULES):
+6.3 MiB in bf16 for SmolLM2-135M's 15 upper layers, against 25.3 MiB for whole mixers.
 """
 from __future__ import annotations
 
@@ -36,9 +39,26 @@ def parse_fill_dtype(name: str) -> torch.dtype | None:
     return FILL_DTYPES[name]
 
 
+# the submodules a filled row's K/V (attention) or state inputs (Gated DeltaNet) read; the
+# query, output and output-gate projections never run for a filled row and are not copied
+FILLED_ATTN_MODULES = ("k_proj", "v_proj", "k_norm")
+FILLED_GDN_MODULES = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_b", "in_proj_a")
+
+
+def _part(module: torch.nn.Module, keep: tuple[str, ...], dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `module` whose submodules named in `keep` are deep copies in `dtype` and
+    whose other submodules, parameters and buffers are left out (a call that reaches one
+    fails instead of running a full-size copy). The original is not touched."""
+    part = copy.copy(module)
+    part._modules = {name: (copy.deepcopy(m).to(dtype) if name in keep and m is not None else None)
+                     for name, m in module._modules.items()}
+    part._parameters, part._buffers = {}, {}
+    return part
+
+
 class FillLayers:
     """Per upper layer, the modules a filled row runs (input norm; attention K/V or GDN
-    input projections), copied to `dtype` on first use and kept. One per model and dtype,
+    input projections, not the layer's other weights), copied to `dtype` on first use and kept. One per model and dtype,
     shared by concurrent prefills (the copies are built under a lock, then only read)."""
 
     def __init__(self, model: CausalLM, dtype: torch.dtype | None = None):
@@ -52,9 +72,11 @@ class FillLayers:
         with self._lock:
             if l not in self._copies:
                 layer = self.model.layer(l)
-                block = layer.self_attn if layer.kind == FULL_ATTENTION else layer.linear_attn
-                self._copies[l] = (copy.deepcopy(layer.input_layernorm).to(self.dtype),
-                                   copy.deepcopy(block).to(self.dtype))
+                if layer.kind == FULL_ATTENTION:
+                    block = _part(layer.self_attn, FILLED_ATTN_MODULES, self.dtype)
+                else:
+                    block = _part(layer.linear_attn, FILLED_GDN_MODULES, self.dtype)
+                self._copies[l] = (copy.deepcopy(layer.input_layernorm).to(self.dtype), block)
             return self._copies[l]
 
     def key_value(self, l: int, x_hat: torch.Tensor, positions: torch.Tensor
@@ -85,4 +107,5 @@ class FillLayers:
                    for mod in pair for p in mod.parameters())
 
 
-__all__ = ["FILL_DTYPES", "FillLayers", "parse_fill_dtype"]
+__all__ = ["FILLED_ATTN_MODULES", "FILLED_GDN_MODULES", "FILL_DTYPES", "FillLayers",
+           "parse_fill_dtype"]

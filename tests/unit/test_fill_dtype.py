@@ -7,7 +7,9 @@ from safetensors.torch import load_file
 
 from evals.arms import make_arm
 from evals.run import SAME_ARM, _references
-from services.prefill.fill_layers import FillLayers, parse_fill_dtype
+from models.config import FULL_ATTENTION
+from services.prefill.fill_layers import (FILLED_ATTN_MODULES, FILLED_GDN_MODULES, FillLayers,
+                                           parse_fill_dtype)
 from services.prefill.maps import RidgeMaps
 from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
@@ -91,9 +93,25 @@ def test_service_fill_dtype_flag_and_disabled_fill_is_still_exact(four_layer):
     assert low.fill_layers.copy_bytes == 0                   # nothing filled, nothing copied
     on = low.prefill(ids, FillSettings(split=1, tail=8))
     assert on.num_filled == 32 and low.fill_layers.copy_bytes > 0
-    # the copies hold only upper layers, in bf16: at most the upper layers' mixer weights
-    upper = sum(p.numel() * 2 for l in range(2, 4) for p in model.layer(l).parameters())
-    assert low.fill_layers.copy_bytes <= upper
+    # the copies hold only what a filled row runs in the upper layers, in bf16: the input
+    # norm and the K/V (or GDN state-input) projections, never the query/output/gate ones
+    copied, kept, mixers = sorted(low.fill_layers._copies), 0, 0
+    assert copied and min(copied) >= 1
+    for l in copied:
+        layer = model.layer(l)
+        names = FILLED_ATTN_MODULES if layer.kind == FULL_ATTENTION else FILLED_GDN_MODULES
+        block = layer.self_attn if layer.kind == FULL_ATTENTION else layer.linear_attn
+        mods = [layer.input_layernorm] + [m for n, m in block.named_children() if n in names]
+        kept += sum(p.numel() * 2 for m in mods for p in m.parameters())
+        norm, part = low.fill_layers._layer(l)
+        for unused in ("q_proj", "o_proj", "in_proj_z", "out_proj", "norm", "conv1d"):
+            assert getattr(part, unused, None) is None
+        assert list(part.parameters(recurse=False)) == []
+        mixers += sum(p.numel() * 2 for m in (layer.input_layernorm, block) for p in m.parameters())
+    assert low.fill_layers.copy_bytes == kept
+    assert kept < 0.7 * mixers            # the model's own modules are untouched and whole
+    assert all(model.layer(l).self_attn.o_proj is not None for l in copied
+               if model.layer(l).kind == FULL_ATTENTION)
 
 
 def test_eval_arm_suffix_runs_the_arm_in_bf16_and_pairs_it_with_itself(four_layer):
