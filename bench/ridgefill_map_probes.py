@@ -10,13 +10,25 @@ give filled rows, layer by layer (in memory; no serving path uses the variants).
              (a ridge update toward A_l, μ = 10) — what a request's exact tail could teach
              the map; an upper bound, since a real fill only has the tail's approximate x_l
 
+With --inputs, a second table instead asks whether other per-row inputs would help the
+map: a ridge map from each input set straight to the layer's [k, v] (as `direct`), λ the
+best of 1e-3, 1e-2, 3e-2 for each set, at the layers given:
+
+    base          [x_S[t], x_S[t−1]]
+    +x_{S−1}      and the layer below the split's input (the split layer's own attention
+                  and MLP updates apart)
+    +x_{S−4}      and an input four layers lower
+    +x_0          and the token's embedding
+    +mean         and the causal mean of x_S over the document so far (its topic)
+    +x_{S−1}[t−1] and the previous row's x_{S−1}
+
 Each document's first 1024 tokens are cut into filled rows (all but the last T = 256) and
 tail rows; the first 4 rows (sinks) are left out, as in calibration. Maps are fitted on the
 corpus's calibration split, errors summed over held-out documents:
 Σ‖k̂ − k‖² / Σ‖k − k̄‖² (and the same for v).
 
     python bench/ridgefill_map_probes.py --model models/zoo/smollm2-135m --split 15 \\
-        [--fit-docs 30 --held-docs 10 --lam 1e-2 --threads 2]
+        [--fit-docs 30 --held-docs 10 --lam 1e-2 --threads 2] [--inputs 18,20,23,26,29]
 """
 from __future__ import annotations
 
@@ -47,6 +59,27 @@ def ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, t
     return a, my - a @ mx
 
 
+def _shift(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x [N, d] -> row t holds x[t−c] (zeros before row 0), as context_features does."""
+    return torch.cat([torch.zeros_like(x[:c]), x[:-c]])
+
+
+def _causal_mean(x: torch.Tensor) -> torch.Tensor:
+    return x.cumsum(0) / torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]
+
+
+# input sets of the --inputs table: xs (every layer's input over one document) -> [N, d·k]
+INPUT_SETS = {
+    "base": lambda xs, s: [xs[s], _shift(xs[s], 1)],
+    "+x_{S−1}": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 1]],
+    "+x_{S−4}": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 4]],
+    "+x_0": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[0]],
+    "+mean": lambda xs, s: [xs[s], _shift(xs[s], 1),
+                            torch.cat([xs[s][:SINK], _causal_mean(xs[s][SINK:])])],
+    "+x_{S−1}[t−1]": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 1], _shift(xs[s - 1], 1)],
+}
+
+
 def tail_update(a, b, xt, yt, mu: float = 10.0) -> tuple[torch.Tensor, torch.Tensor]:
     """A ridge step from (A, b) toward the tail's pairs: the residual's mean goes into b,
     its regression on the centred tail inputs (Gram form, T×T) into A."""
@@ -67,6 +100,8 @@ def main() -> int:
     ap.add_argument("--held-docs", type=int, default=10)
     ap.add_argument("--lam", type=float, default=1e-2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--inputs", default="",
+                    help="layers for the input-set table (comma-separated) instead of the map table")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype=torch.float32), load_tokenizer(args.model)
@@ -86,6 +121,8 @@ def main() -> int:
                 {l: xs[l][SINK:].double() for l in layers})
 
     docs = documents("calib")
+    if args.inputs:
+        return input_sets(model, tok, kv, docs, args, [int(v) for v in args.inputs.split(",")])
     fit = [capture(d) for d in docs[:args.fit_docs]]
     held = [capture(d) for d in docs[args.fit_docs:args.fit_docs + args.held_docs]]
     x_fit = torch.cat([f[0] for f in fit])
@@ -114,6 +151,45 @@ def main() -> int:
         r = {name: e / var for name, e in err.items()}
         print(f"| {l} | {r['base'][0]:.3f} | {r['direct'][0]:.3f} | {r['tail'][0]:.3f} | "
               f"{r['base'][1]:.3f} | {r['direct'][1]:.3f} | {r['tail'][1]:.3f} |", flush=True)
+    return 0
+
+
+def input_sets(model, tok, kv, docs, args, layers: list[int]) -> int:
+    s = args.split
+
+    def capture(doc):
+        ids = torch.tensor(tok(doc.text, add_special_tokens=False)["input_ids"][:LENGTH])
+        xs, _ = exact_pass(model, ids)
+        feats = {n: torch.cat(fn(xs, s), -1)[SINK:].double() for n, fn in INPUT_SETS.items()}
+        return feats, {l: xs[l][SINK:] for l in layers}
+
+    fit = [capture(d) for d in docs[:args.fit_docs]]
+    held = [capture(d) for d in docs[args.fit_docs:args.fit_docs + args.held_docs]]
+    print(f"{args.model}, split {s}: {sum(f[1][layers[0]].shape[0] for f in fit)} fit rows, "
+          f"{len(held)} held-out documents; relative error of keys / values, ridge map to [k, v]\n")
+    print("| inputs | " + " | ".join(f"layer {l} k / v" for l in layers) + " |")
+    print("|---|" + "---|" * len(layers))
+    targets = {l: torch.cat([kv(l, f[1][l]) for f in fit]) for l in layers}
+    held_t = {l: [kv(l, h[1][l]) for h in held] for l in layers}
+    for name in INPUT_SETS:
+        x_fit = torch.cat([f[0][name] for f in fit])
+        cells = []
+        for l in layers:
+            h = targets[l].shape[1] // 2
+            var = torch.stack([sum(((t[:, :h] - t[:, :h].mean(0)) ** 2).sum() for t in held_t[l]),
+                               sum(((t[:, h:] - t[:, h:].mean(0)) ** 2).sum() for t in held_t[l])])
+            best = None
+            for lam in (1e-3, 1e-2, 3e-2):
+                a, b = ridge(x_fit, targets[l], lam)
+                err = torch.zeros(2, dtype=torch.float64)
+                for (feats, _), t in zip(held, held_t[l]):
+                    e = (feats[name] @ a.T + b - t) ** 2
+                    err += torch.stack([e[:, :h].sum(), e[:, h:].sum()])
+                r = err / var
+                if best is None or r[0] < best[0]:
+                    best = r
+            cells.append(f"{best[0]:.3f} / {best[1]:.3f}")
+        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 
