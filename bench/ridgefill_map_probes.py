@@ -59,24 +59,24 @@ def ridge(x: torch.Tensor, y: torch.Tensor, lam: float) -> tuple[torch.Tensor, t
     return a, my - a @ mx
 
 
-def _shift(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x [N, d] -> row t holds x[t−c] (zeros before row 0), as context_features does."""
-    return torch.cat([torch.zeros_like(x[:c]), x[:-c]])
-
-
 def _causal_mean(x: torch.Tensor) -> torch.Tensor:
     return x.cumsum(0) / torch.arange(1, x.shape[0] + 1, dtype=x.dtype)[:, None]
 
 
+def _with_prev(x: torch.Tensor) -> torch.Tensor:
+    """x [N, d] -> [x[t], x[t−1]] for every row: the c = 1 map's input (context_features)."""
+    return context_features(x, torch.arange(x.shape[0]), 1)
+
+
 # input sets of the --inputs table: xs (every layer's input over one document) -> [N, d·k]
 INPUT_SETS = {
-    "base": lambda xs, s: [xs[s], _shift(xs[s], 1)],
-    "+x_{S−1}": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 1]],
-    "+x_{S−4}": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 4]],
-    "+x_0": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[0]],
-    "+mean": lambda xs, s: [xs[s], _shift(xs[s], 1),
+    "base": lambda xs, s: [_with_prev(xs[s])],
+    "+x_{S−1}": lambda xs, s: [_with_prev(xs[s]), xs[s - 1]],
+    "+x_{S−4}": lambda xs, s: [_with_prev(xs[s]), xs[s - 4]],
+    "+x_0": lambda xs, s: [_with_prev(xs[s]), xs[0]],
+    "+mean": lambda xs, s: [_with_prev(xs[s]),
                             torch.cat([xs[s][:SINK], _causal_mean(xs[s][SINK:])])],
-    "+x_{S−1}[t−1]": lambda xs, s: [xs[s], _shift(xs[s], 1), xs[s - 1], _shift(xs[s - 1], 1)],
+    "+x_{S−1}[t−1]": lambda xs, s: [_with_prev(xs[s]), _with_prev(xs[s - 1])],
 }
 
 

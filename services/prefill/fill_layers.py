@@ -12,8 +12,8 @@ bf16 rounding of 0.4%. So it may run in a lower precision than the exact rows:
                                    Gated DeltaNet state sweep (which stays fp32)
 
 On a CPU with bf16 products (AVX512-BF16 / AMX) those GEMMs run about 4x faster than fp32
-(bench/ridgefill_ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's dtype: every call is
-then the model's own stage call, unchanged.
+(bench/ridgefill_ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's
+dtype: every call is then the model's own stage call, unchanged.
 
 Only the submodules a filled row runs are copied (FILLED_ATTN_MODULES, FILLED_GDN_MODULES):
 6.3 MiB in bf16 for SmolLM2-135M's 15 upper layers, against 25.3 MiB for whole mixers.
@@ -58,8 +58,9 @@ def _part(module: torch.nn.Module, keep: tuple[str, ...], dtype: torch.dtype) ->
 
 class FillLayers:
     """Per upper layer, the modules a filled row runs (input norm; attention K/V or GDN
-    input projections, not the layer's other weights), copied to `dtype` on first use and kept. One per model and dtype,
-    shared by concurrent prefills (the copies are built under a lock, then only read)."""
+    input projections, not the layer's other weights), copied to `dtype` on first use and
+    kept. One per model and dtype, shared by concurrent prefills (the copies are built under
+    a lock, then only read)."""
 
     def __init__(self, model: CausalLM, dtype: torch.dtype | None = None):
         self.model = model

@@ -109,7 +109,8 @@ def test_service_fill_dtype_flag_and_disabled_fill_is_still_exact(four_layer):
         assert list(part.parameters(recurse=False)) == []
         mixers += sum(p.numel() * 2 for m in (layer.input_layernorm, block) for p in m.parameters())
     assert low.fill_layers.copy_bytes == kept
-    assert kept < 0.7 * mixers            # the model's own modules are untouched and whole
+    assert kept < 0.7 * mixers                         # smaller than whole mixers
+    # the model's own modules stay whole
     assert all(model.layer(l).self_attn.o_proj is not None for l in copied
                if model.layer(l).kind == FULL_ATTENTION)
 
