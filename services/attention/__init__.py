@@ -1,1 +1,1 @@
-"""Cache side of Q-First decode: KV shards and the request-owning attention service."""
+"""Cache side of Q-First decode: KV shards and the Q-First runner under the engine."""

@@ -1,6 +1,7 @@
-"""Serves an `AttentionService` over gRPC (`Attention` in proto/splitstack.proto).
+"""Serves an attention service's engine over gRPC (`Attention` in proto/splitstack.proto).
 
-Contract: one thread (the step loop) is the only code that touches the service. A gRPC
+The engine is the one `LLMEngine` with a Q-First runner (`services.attention.runner`).
+Contract: one thread (the step loop) is the only code that touches the engine. A gRPC
 `Generate` call submits its request to that thread, gets it acknowledged or refused, then
 relays one event per token. When the call ends early (the client cancelled or went away)
 its request is aborted and its KV freed at the next step boundary.
@@ -14,12 +15,11 @@ import grpc
 from prometheus_client import generate_latest
 
 from kernels.sampling import SamplingError, SamplingParams, TokenLogprob
-from services.attention.service import AttentionService
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.sampling_codec import processing_fields, processing_from
 from services.common.step_driver import QueueDriver
-from services.engine import GenerationParams, RequestError, StepOutput
+from services.engine import GenerationParams, LLMEngine, RequestError, StepOutput
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
                                      PrefillFailed, PrefillRefused, asks_for_prefill,
                                      options_to_proto)
@@ -28,10 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class StepLoop(QueueDriver):
-    """Drives the attention service's steps; gRPC handler threads submit and abort."""
+    """Drives the attention service's engine; gRPC handler threads submit and abort."""
 
-    def __init__(self, service: AttentionService):
-        super().__init__(service, "attention-steps")
+    def __init__(self, engine: LLMEngine):
+        super().__init__(engine, "attention-steps")
 
 
 def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
@@ -140,14 +140,14 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                 return
 
     def Stats(self, request, context):
-        service = self.loop.engine
-        total = sum(s.blocks.num_blocks for s in service.shards)
-        free = sum(s.blocks.num_free for s in service.shards)
-        return pb.AttentionStats(name=self.name, running=len(service.running()),
-                                 waiting=len(service.waiting), blocks_total=total,
-                                 blocks_free=free, kv_usage=service.kv_usage,
-                                 pool_retries=service.pool.retries, steps=self.loop.stats["steps"],
-                                 wiring=service.wiring, transport=self.transport,
+        engine = self.loop.engine
+        runner = engine.runner
+        return pb.AttentionStats(name=self.name, running=len(engine.scheduler.running),
+                                 waiting=len(engine.scheduler.waiting),
+                                 blocks_total=engine.blocks.num_blocks,
+                                 blocks_free=engine.blocks.num_free, kv_usage=engine.kv_usage,
+                                 pool_retries=runner.pool.retries, steps=self.loop.stats["steps"],
+                                 wiring=runner.wiring, transport=self.transport,
                                  prefill_retries=self.prefill.retries if self.prefill else 0,
                                  metrics=(generate_latest(self.registry).decode()
                                           if self.registry is not None else ""))
@@ -158,14 +158,14 @@ class AttentionServicer(pb_grpc.AttentionServicer):
         return pb.Empty()
 
 
-def serve_attention(service: AttentionService, address: str = "127.0.0.1:0",
+def serve_attention(engine: LLMEngine, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
                     max_workers: int = 64, prefill: PrefillClient | None = None,
                     registry=None):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
     Each in-flight request holds one handler thread, so `max_workers` caps concurrency.
     `registry`: metrics of this process that `Stats` exports (the in-process pool's)."""
-    loop = StepLoop(service)
+    loop = StepLoop(engine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
     pb_grpc.add_AttentionServicer_to_server(
         AttentionServicer(loop, name, transport, prefill, registry), server)

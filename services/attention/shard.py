@@ -1,14 +1,20 @@
-"""One attention shard: a paged KV store for a subset of every sequence's positions.
+"""One attention shard: paged KV storage for a subset of every sequence's positions.
 
-Positions are spread over `num_shards` shards block by block, round robin:
+The engine's block manager hands out *logical* blocks of `block_size · num_shards` tokens;
+logical block id b is physical block b on every shard, and inside it the positions are
+spread over the shards `block_size` at a time, round robin:
 
-    absolute block b = p // block_size   lives on shard  b % num_shards
-    shard s, sequence blocks:  b = s, s + S, s + 2S, ...  -> local blocks 0, 1, 2, ...
+    position p   ->  shard (p // block_size) % num_shards
+                     logical block table[p // (block_size · num_shards)], offset p % block_size
 
-`sweep` returns the partial-softmax aggregate `(O, lse)` of a query over this shard's keys
-only (lse = −inf where it holds none), so the owner can merge shards in any order.
-Contract: only the owning attention service calls a shard, one call at a time. Blocks are
-taken in `reserve` and all returned by `free`.
+    logical block (block_size · S tokens):  | shard 0 | shard 1 | ... | shard S−1 |
+
+So a sequence's local blocks on every shard are its block table itself, and each shard's
+keys for that sequence are a prefix of its local positions. `sweep` returns the
+partial-softmax aggregate `(O, lse)` of a query over this shard's keys only (lse = −inf
+where it holds none), so the owner can merge shards in any order. Contract: only the
+owning runner calls a shard, one call at a time; it allocates nothing (the engine owns
+block ids).
 
 Pages are head-major, `kv [2, F, KV, num_blocks, block_size, D]`, so one KV head's keys in a
 stretch of consecutive block ids are one contiguous `[n·block_size, D]` matrix. The decode
@@ -17,14 +23,33 @@ runs' `(O, lse)`; `sweep_reference` gathers every block and runs the naive kerne
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.attention import cpu_flash, naive
 from models.config import ModelConfig
-from services.engine.block_manager import BlockManager
 
 MAX_RUNS = cpu_flash.MAX_RUNS   # a table more fragmented than this is gathered instead
 ROW_CHUNK = 256                 # masked (prompt) rows per kernel call: bounds the mask
+
+
+def table_runs(table: list[int]) -> list[tuple[int, int]]:
+    """A block table as runs of consecutive ids: [(first id, count), ...]."""
+    runs: list[list[int]] = []
+    for b in table:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    return [(first, count) for first, count in runs]
+
+
+class SeqRows(NamedTuple):
+    """One sequence's rows of a step, as every shard sees them."""
+    rows: list[int]                  # row indices into the step's q
+    table: list[int]                 # the sequence's (logical) block table
+    runs: list[tuple[int, int]]      # `table_runs(table)`
 
 
 class KVShard:
@@ -34,11 +59,8 @@ class KVShard:
         self.index, self.num_shards, self.block_size = index, num_shards, block_size
         self.name = name or f"attn-shard-{index}"
         self.fa_index = {l: i for i, l in enumerate(cfg.full_attention_layers)}
-        self.blocks = BlockManager(num_blocks, block_size)
         self.kv = torch.zeros(2, len(self.fa_index), cfg.num_key_value_heads, num_blocks,
                               block_size, cfg.head_dim, dtype=dtype, device=device)
-        self.tables: dict[int, list[int]] = {}
-        self.runs: dict[int, list[list[int]]] = {}   # seq -> [[first block id, blocks], ...]
 
     def owns(self, positions: torch.Tensor) -> torch.Tensor:
         return (positions // self.block_size) % self.num_shards == self.index
@@ -49,90 +71,58 @@ class KVShard:
         n = len(range(self.index, full, self.num_shards)) * self.block_size
         return n + (part if full % self.num_shards == self.index else 0)
 
-    def blocks_needed(self, seq_id: int, length: int) -> int:
-        """More blocks `seq_id` needs here to hold its owned positions < `length`."""
-        abs_blocks = -(-length // self.block_size)
-        owned = len(range(self.index, abs_blocks, self.num_shards))
-        return max(0, owned - len(self.tables.get(seq_id, ())))
-
-    def reserve(self, seq_id: int, length: int) -> None:
-        """Make room for every owned position < `length` of `seq_id`."""
-        need = self.blocks_needed(seq_id, length)
-        table = self.tables.setdefault(seq_id, [])
-        runs = self.runs.setdefault(seq_id, [])
-        if need:
-            new = self.blocks.allocate(need)
-            table.extend(new)
-            for b in new:
-                if runs and runs[-1][0] + runs[-1][1] == b:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([b, 1])
-
-    def free(self, seq_id: int) -> None:
-        self.runs.pop(seq_id, None)
-        self.blocks.free(self.tables.pop(seq_id, []))
-
-    def append(self, layer: int, seq_ids: list[int], positions: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> None:
-        """Store rows whose positions this shard owns (others are ignored)."""
+    def slots(self, tables: list[list[int]], positions: list[int]) -> tuple[list[int], list[int]]:
+        """Of rows (table, position), those this shard stores -> (row indices, flat slots)."""
         bs, shards = self.block_size, self.num_shards
         rows, slots = [], []
-        for r, (seq, p) in enumerate(zip(seq_ids, positions.tolist())):
+        for r, (table, p) in enumerate(zip(tables, positions)):
             if (p // bs) % shards == self.index:
                 rows.append(r)
-                slots.append(self.tables[seq][p // bs // shards] * bs + p % bs)
-        if not rows:
+                slots.append(table[p // (bs * shards)] * bs + p % bs)
+        return rows, slots
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [n, KV, D] into flat slots [n] (block · block_size + offset) of `layer`."""
+        if not len(slots):
             return
         i = self.fa_index[layer]
-        if len(rows) < len(seq_ids):
-            k, v = k[rows], v[rows]
-        idx = torch.tensor(slots, device=self.kv.device)
         kvh, d = self.kv.shape[2], self.kv.shape[-1]
+        idx = slots.to(self.kv.device)
         self.kv[0, i].view(kvh, -1, d).index_copy_(1, idx, k.transpose(0, 1).to(self.kv))
         self.kv[1, i].view(kvh, -1, d).index_copy_(1, idx, v.transpose(0, 1).to(self.kv))
 
-    def write_prompt(self, layer: int, seq_id: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store positions [0, N) of `seq_id` that this shard owns; k, v [N, KV, D] (a
-        prompt prefilled elsewhere). Its blocks must be reserved."""
+    def write_prompt(self, layer: int, table: list[int], k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Store positions [0, N) of a sequence with block table `table` that this shard
+        owns; k, v [N, KV, D] (a prompt prefilled elsewhere)."""
         bs, n = self.block_size, k.shape[0]
         block = torch.arange(n) // bs
         own = block % self.num_shards == self.index
         if not bool(own.any()):
             return
-        table = torch.tensor(self.tables[seq_id], dtype=torch.long)
-        slots = table[block[own] // self.num_shards] * bs + torch.arange(n)[own] % bs
-        i = self.fa_index[layer]
-        kvh, d = self.kv.shape[2], self.kv.shape[-1]
-        idx = slots.to(self.kv.device)
-        self.kv[0, i].view(kvh, -1, d).index_copy_(1, idx, k[own].transpose(0, 1).to(self.kv))
-        self.kv[1, i].view(kvh, -1, d).index_copy_(1, idx, v[own].transpose(0, 1).to(self.kv))
+        t = torch.tensor(table, dtype=torch.long)
+        slots = t[block[own] // self.num_shards] * bs + torch.arange(n)[own] % bs
+        self.write(layer, slots, k[own], v[own])
 
-    def _groups(self, seq_ids: list[int]) -> dict[int, list[int]]:
-        groups: dict[int, list[int]] = {}
-        for r, s in enumerate(seq_ids):
-            groups.setdefault(s, []).append(r)
-        return groups
-
-    def sweep(self, layer: int, seq_ids: list[int], q: torch.Tensor, limits: torch.Tensor):
-        """q [N, H, D]; row r sees this shard's keys of seq_ids[r] at positions < limits[r].
-        Returns (O [N, H, D] fp32, lse [N, H] fp32)."""
+    def sweep(self, layer: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int]):
+        """q [N, H, D]; each row r of `seqs` sees this shard's keys of its sequence at
+        positions < limits[r]. Rows in no entry of `seqs` are left empty. Returns
+        (O [N, H, D] fp32, lse [N, H] fp32)."""
         if self.kv.device.type != "cpu":
-            return self.sweep_reference(layer, seq_ids, q, limits)
+            return self.sweep_reference(layer, seqs, q, limits)
         i = self.fa_index[layer]
         o = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], float("-inf"))
-        lim = limits.tolist()
-        for seq, rows in self._groups(seq_ids).items():
-            counts = [self._num_local(lim[r]) for r in rows]
+        for rows, table, runs in seqs:
+            counts = [self._num_local(limits[r]) for r in rows]
             n = max(counts)
-            if n <= 0 or seq not in self.tables:
+            if n <= 0 or not table:
                 continue
             if len(rows) == 1 or min(counts) == n:      # every row sees the same keys
-                o_s, lse_s = self._sweep_keys(i, seq, q[rows], n)
+                o_s, lse_s = self._sweep_keys(i, runs, q[rows], n)
                 o[rows], lse[rows] = o_s, lse_s
                 continue
-            k, v = self._keys(i, seq, n)                 # [KV, n, D] each
+            k, v = self._keys(i, runs, n)                # [KV, n, D] each
             seen = torch.tensor(counts)
             for c in range(0, len(rows), ROW_CHUNK):     # prompt rows: a prefix each
                 part = rows[c:c + ROW_CHUNK]
@@ -145,11 +135,11 @@ class KVShard:
                 lse[part] = lse_s[0].masked_fill(empty[:, None], float("-inf"))
         return o, lse
 
-    def _segments(self, i: int, seq: int, n: int):
+    def _segments(self, i: int, runs, n: int):
         """In-place `[KV, len, D]` views of K and V covering the first `n` local keys, one per
         run of consecutive blocks."""
         left = n
-        for first, count in self.runs[seq]:
+        for first, count in runs:
             keys = min(left, count * self.block_size)
             pages = self.kv[:, i, :, first:first + count].flatten(2, 3)     # [2, KV, c·bs, D]
             yield pages[0, :, :keys], pages[1, :, :keys]
@@ -157,39 +147,38 @@ class KVShard:
             if left <= 0:
                 return
 
-    def _keys(self, i: int, seq: int, n: int):
+    def _keys(self, i: int, runs, n: int):
         """K, V [KV, n, D] of the first `n` local keys (a view when they are one run)."""
-        segs = list(self._segments(i, seq, n))
+        segs = list(self._segments(i, runs, n))
         if len(segs) == 1:
             return segs[0]
         return torch.cat([s[0] for s in segs], 1), torch.cat([s[1] for s in segs], 1)
 
-    def _sweep_keys(self, i: int, seq: int, q: torch.Tensor, n: int):
+    def _sweep_keys(self, i: int, runs, q: torch.Tensor, n: int):
         """Rows q [r, H, D] that all see the first `n` local keys -> (O [r, H, D], lse [r, H])."""
-        segs = ([self._keys(i, seq, n)] if len(self.runs[seq]) > MAX_RUNS
-                else self._segments(i, seq, n))
+        segs = [self._keys(i, runs, n)] if len(runs) > MAX_RUNS else self._segments(i, runs, n)
         return cpu_flash.segments_lse(q, [(k.transpose(0, 1), v.transpose(0, 1))
                                           for k, v in segs])
 
-    def sweep_reference(self, layer: int, seq_ids: list[int], q: torch.Tensor,
-                        limits: torch.Tensor):
+    def sweep_reference(self, layer: int, seqs: list[SeqRows], q: torch.Tensor,
+                        limits: list[int]):
         """`sweep` by gathering every block of the sequence and masking: the naive kernel,
         on any device."""
         i = self.fa_index[layer]
         dev = q.device
         o = torch.zeros(q.shape, dtype=torch.float32, device=dev)
         lse = torch.full(q.shape[:2], float("-inf"), device=dev)
-        for seq, rows in self._groups(seq_ids).items():
-            rows = torch.tensor(rows, device=dev)
-            table = self.tables.get(seq, [])
-            if not table or int(limits[rows].max()) <= 0:
+        for rows, table, _ in seqs:
+            lim = torch.tensor([limits[r] for r in rows], device=dev)
+            if not table or int(lim.max()) <= 0:
                 continue
+            idx = torch.tensor(rows, device=dev)
             abs_block = torch.arange(len(table), device=dev) * self.num_shards + self.index
             key_pos = (abs_block[:, None] * self.block_size
                        + torch.arange(self.block_size, device=dev)[None]).reshape(-1)
-            idx = torch.tensor(table, device=dev)
-            k, v = (self.kv[j, i][:, idx].flatten(1, 2).transpose(0, 1) for j in (0, 1))
-            mask = key_pos[None, :] < limits[rows][:, None]                  # [n, nb·bs]
-            o_s, lse_s = naive.attention_lse(q[rows][None], k[None], v[None], mask=mask[None])
-            o[rows], lse[rows] = o_s[0], lse_s[0]
+            blocks = torch.tensor(table, device=dev)
+            k, v = (self.kv[j, i][:, blocks].flatten(1, 2).transpose(0, 1) for j in (0, 1))
+            mask = key_pos[None, :] < lim[:, None]                           # [n, nb·bs]
+            o_s, lse_s = naive.attention_lse(q[idx][None], k[None], v[None], mask=mask[None])
+            o[idx], lse[idx] = o_s[0], lse_s[0]
         return o, lse

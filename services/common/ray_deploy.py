@@ -203,9 +203,8 @@ class AttentionReplica:
     def __init__(self, config: ClusterConfig, name: str, pools: list | None = None,
                  pool_addresses: list[str] | None = None,
                  prefill_addresses: list[str] | None = None, prefills: list | None = None):
+        from services.attention.runner import qfirst_engine
         from services.attention.server import serve_attention
-        from services.attention.service import AttentionService
-        from services.attention.shard import KVShard
         from services.common.tokenizer import eos_token_ids
         from services.common.transport import make_transport
         from services.mlp_pool import MLPPool
@@ -215,14 +214,12 @@ class AttentionReplica:
         device = "cuda" if c.use_gpu else "cpu"
         if c.transport == "local":   # the pool lives in this process: one model, both sides
             import torch
-
-            from models import load_model
-
-            torch.set_num_threads(c.threads)
             from prometheus_client import CollectorRegistry
 
+            from models import load_model
             from services.mlp_pool.metrics import MeteredPool, PoolMetrics
 
+            torch.set_num_threads(c.threads)
             model = load_model(c.model, dtype=getattr(torch, c.dtype), device=device)
             registry = CollectorRegistry()
             metrics = PoolMetrics(registry)
@@ -233,22 +230,18 @@ class AttentionReplica:
             model = _load(c.model, c.dtype, "attention", c.threads, device)
             replicas = list(pool_addresses)
         cfg = model.config
-        per_token = (2 * len(cfg.full_attention_layers) * cfg.num_key_value_heads
-                     * cfg.head_dim * model.dtype.itemsize)
-        blocks = max(1, c.kv_cache_bytes // (per_token * c.block_size * c.kv_splits))
-        self.shards = [KVShard(cfg, i, c.kv_splits, blocks, c.block_size, model.dtype,
-                               name=f"{name}-kv-{i}", device=device)
-                       for i in range(c.kv_splits)]
         if c.transport == "nccl":
             from services.common.nccl_transport import NcclTransport
 
             transport = NcclTransport.connect(name, list(pools), replicas)
         else:
             transport = make_transport(c.transport, replicas)
-        self.service = AttentionService(model, self.shards, transport,
-                                        wiring=c.wiring or cfg.wiring,
-                                        max_num_seqs=c.max_num_seqs,
-                                        eos_token_ids=eos_token_ids(c.model))
+        self.engine = qfirst_engine(model, transport, num_shards=c.kv_splits,
+                                    block_size=c.block_size, wiring=c.wiring,
+                                    eos_token_ids=eos_token_ids(c.model),
+                                    kv_cache_bytes=c.kv_cache_bytes,
+                                    max_num_seqs=c.max_num_seqs,
+                                    shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)])
         prefill = None
         if prefill_addresses:
             from services.prefill.server import PrefillClient
@@ -265,7 +258,7 @@ class AttentionReplica:
                                     cache_aware=c.prefill.prefix_cache_bytes is not None,
                                     links=links, peer=name, device=device)
         self.server, bound, self.loop = serve_attention(
-            self.service, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
+            self.engine, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
             registry=registry)
         self.addr = _advertised(bound)
         self.name = name
@@ -273,14 +266,14 @@ class AttentionReplica:
     def address(self) -> str:
         return self.addr
 
-    def capacity_tokens(self) -> int:
-        return min(s.blocks.num_blocks * s.block_size * s.num_shards for s in self.shards)
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
 
-    def blocks(self) -> list[tuple[int, int]]:
-        """(free, total) per KV shard: the leak check."""
-        for s in self.shards:
-            s.blocks.check()
-        return [(s.blocks.num_free, s.blocks.num_blocks) for s in self.shards]
+    def blocks(self) -> tuple[int, int]:
+        """(free, total) KV blocks of its engine (each spans every KV shard): the leak
+        check."""
+        self.engine.blocks.check()
+        return self.engine.blocks.num_free, self.engine.blocks.num_blocks
 
 
 @dataclass
@@ -305,8 +298,6 @@ class Cluster:
 def deploy(config: ClusterConfig) -> Cluster:
     """Place the pool replicas, then the attention services, and wait until all serve."""
     import ray
-
-    from models.config import ModelConfig
 
     opts = {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
             "max_concurrency": 8}
@@ -333,7 +324,5 @@ def deploy(config: ClusterConfig) -> Cluster:
     except Exception:     # a wiring the checkpoint was not trained for, maps for another...
         cluster.shutdown()
         raise
-    capacity = min(ray.get([a.capacity_tokens.remote() for a in cluster.attention]))
-    cluster.max_model_len = min(capacity,
-                                ModelConfig.from_pretrained(config.model).max_position_embeddings)
+    cluster.max_model_len = min(ray.get([a.max_model_len.remote() for a in cluster.attention]))
     return cluster

@@ -1,6 +1,8 @@
 """The exact single-process engine (reference for every distributed path)."""
-from services.engine.engine import EngineConfig, LLMEngine, PromptExport, StepOutput
-from services.engine.sequence import GenerationParams, RequestError, Sequence
+from services.common.messages import PromptExport, StepOutput
+from services.engine.engine import EngineConfig, LLMEngine
+from services.common.messages import GenerationParams, RequestError
+from services.engine.sequence import Sequence
 
 __all__ = ["LLMEngine", "EngineConfig", "PromptExport", "StepOutput", "GenerationParams",
            "RequestError", "Sequence"]

@@ -1,13 +1,20 @@
-"""The exact reference engine: one process, continuous batching over a paged cache.
+"""The engine: one request lifecycle for every deployment, continuous batching over a paged
+cache.
 
     step():  out = scheduler.schedule()
-             logits = runner.run(out)
-             return postprocess(out, logits)
+             sampled = runner.execute(out, sampling rows)
+             return postprocess(out, sampled)
 
 Requests go in with `add_request` (validated there, so a bad request fails alone) and come
 back as `StepOutput`s. `abort` and failures free the request's blocks and state slot at once.
-With a `prefix_cache`, admitted prompts start after their cached prefix (restored by
-`prefix.PrefixReuse` before the step runs) and completed prompts are stored.
+What executes a step is the runner (vLLM v1's executor / nano-vllm's `ModelRunner`): the
+monolithic `ModelRunner` by default (embedded server, prefill replicas), or the Q-First
+runner of an attention service (`services.attention.runner`), built by `runner` from the
+cache layout the engine's allocators hand out. With a `prefix_cache` (monolithic only),
+admitted prompts start after their cached prefix (restored by `prefix.PrefixReuse` before
+the step runs) and completed prompts are stored. A prompt prefilled elsewhere
+(`add_request(..., prefilled=export)`) is installed by the runner on admission and its
+first token sampled from the export's logits.
 """
 from __future__ import annotations
 
@@ -19,13 +26,15 @@ import torch
 
 from kernels.sampling import sample
 from models.model import CausalLM
+from services.common.messages import (GenerationParams, PromptExport, RequestError,
+                                      StepOutput, check_request)
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
 from services.engine.prefix import PrefixReuse
-from services.engine.runner import ModelRunner
-from services.engine.scheduler import Scheduler, SchedulerOutput
-from services.engine.sequence import (GenerationParams, RequestError, Sequence, Status,
-                                      check_request)
+from services.engine.runner import (CacheLayout, ModelRunner, Runner, RunnerFactory, Sampled,
+                                    SamplingRows)
+from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from services.engine.sequence import Sequence, Status
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -49,42 +58,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-@dataclass
-class StepOutput:
-    seq_id: int
-    token: int | None            # None when the request ended without a new token
-    logprob: float | None
-    finished: bool
-    finish_reason: str | None
-    error: str | None = None
-    export: PromptExport | None = None   # `params.export_prompt`: with the first token
-    top_logprobs: list[tuple[int, float]] | None = None   # `params.logprobs`: (token, log-prob)
-    prompt_logprobs: list | None = None   # `params.prompt_logprobs`: with the first token,
-                                          # a TokenLogprob per prompt token after the first
-
-
-@dataclass
-class PromptExport:
-    """A prefilled prompt, for decode elsewhere: what the attention service stores."""
-    kv: torch.Tensor                      # [F, 2, N, KV, D] every full-attention layer's K/V
-    conv: torch.Tensor | None             # [Lg, conv_dim, Kc − 1] GDN states after row N − 1
-    recurrent: torch.Tensor | None        # [Lg, HV, Dk, Dv] fp32
-    logits: torch.Tensor | None = None    # [V] of row N − 1 (the first token's distribution)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.kv.shape[2]
-
-
 class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig = EngineConfig(),
                  eos_token_ids: tuple[int, ...] = (), prefill_service=None,
                  prefix_cache: PrefixCache | None = None, replay_ratio: float = 0.1,
-                 replay_overlap: bool | None = None, ffn_skip: bool = True):
+                 replay_overlap: bool | None = None, ffn_skip: bool = True,
+                 runner: RunnerFactory | None = None):
         """`prefix_cache`: reuse cached prompt prefixes (Tail-Replay for hybrid models, with
         `replay_ratio` r unless a request sets its own, the KV write overlapping the replay
         (default: on CUDA only) and the tail-FFN skip); None: every prompt is prefilled in
-        full."""
+        full. `runner`: builds the step executor for the engine's cache layout (default:
+        the monolithic `ModelRunner`)."""
         self.model = model
         self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
@@ -98,28 +82,39 @@ class LLMEngine:
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.slots = SlotPool(config.max_num_seqs) if cfg.is_hybrid else None
-        self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,
-                                  model.dtype, model.device)
-        if replay_overlap is None:
-            # a side stream overlaps the KV copy on a GPU; on CPU the copy thread only takes
-            # cores from the replay (bench/tailreplay_ttft.py: overlap on is slower there)
-            replay_overlap = torch.device(model.device).type == "cuda"
-        replay = TailReplayConfig(replay_ratio, replay_overlap, ffn_skip)
-        self.prefix = (PrefixReuse(prefix_cache, model, self.cache, replay)
-                       if prefix_cache is not None else None)
+        layout = CacheLayout(num_blocks, config.block_size, config.max_num_seqs)
+        self.cache: CacheStorage | None = None      # the monolithic runner's storage
+        self.prefix = None
+        if runner is None:
+            self.cache = CacheStorage(cfg, num_blocks, config.block_size, config.max_num_seqs,
+                                      model.dtype, model.device)
+            if prefix_cache is not None:
+                if replay_overlap is None:
+                    # a side stream overlaps the KV copy on a GPU; on CPU the copy thread only
+                    # takes cores from the replay (bench/tailreplay_ttft.py: slower there)
+                    replay_overlap = torch.device(model.device).type == "cuda"
+                replay = TailReplayConfig(replay_ratio, replay_overlap, ffn_skip)
+                self.prefix = PrefixReuse(prefix_cache, model, self.cache, replay)
+            self.runner: Runner = ModelRunner(
+                model, self.cache, config.attention_backend,
+                keep_hidden=self.prefix.hidden_layers if self.prefix else ())
+        else:
+            if prefix_cache is not None:
+                raise ValueError("the prefix cache runs beside the monolithic runner (on the "
+                                 "prefill replicas of a disaggregated deployment)")
+            self.runner = runner(layout)
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_prefill_chunk=config.max_prefill_chunk,
                                    cached_tokens=self.prefix.cached_tokens if self.prefix else None)
-        self.runner = ModelRunner(model, self.cache, config.attention_backend,
-                                  keep_hidden=self.prefix.hidden_layers if self.prefix else ())
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
 
     # ---- requests ------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
-                    seq_id: int | None = None) -> int:
+    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
+        """Refuse what this engine can never run. Reads only fixed sizes, so any thread may
+        call it (an attention service checks a request before paying for its prefill)."""
         check_request(prompt_ids, params, self.model.config.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -138,10 +133,21 @@ class LLMEngine:
                 self.prefill_service.check(params.prefill, len(prompt_ids))
             except ValueError as err:
                 raise RequestError("ridgefill", params.prefill, str(err)) from err
+        if params.export_prompt and self.cache is None:
+            raise RequestError("export_prompt", True, "needs the monolithic runner")
+
+    def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
+                    seq_id: int | None = None, prefilled: PromptExport | None = None) -> int:
+        """`prefilled`: the prompt's KV, GDN states and logits, prefilled elsewhere (a
+        prefill replica); stored on admission, and the first token sampled from the logits."""
+        self.validate(prompt_ids, params)
+        if prefilled is not None and prefilled.num_tokens != len(prompt_ids):
+            raise RequestError("prompt", len(prompt_ids),
+                               f"the prefill covers {prefilled.num_tokens} tokens")
         seq_id = next(self._ids) if seq_id is None else seq_id
         if seq_id in self.seqs:
             raise RequestError("seq_id", seq_id, "is already in use")
-        seq = Sequence(seq_id, list(prompt_ids), params)
+        seq = Sequence(seq_id, list(prompt_ids), params, prefilled=prefilled)
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -160,6 +166,10 @@ class LLMEngine:
         """Forget a finished sequence (the caller has read its outputs)."""
         return self.seqs.pop(seq_id)
 
+    @property
+    def kv_usage(self) -> float:
+        return self.blocks.usage
+
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         out = self.scheduler.schedule()
@@ -169,86 +179,97 @@ class LLMEngine:
         if self.prefix is not None:
             failed = [self._fail(seq, f"{type(exc).__name__}: {exc}")
                       for seq, exc in self.prefix.begin(out.prefill)]
-            if failed:
-                out = SchedulerOutput(out.decode, [c for c in out.prefill if not c.seq.finished],
-                                      out.preempted)
-        whole = [c for c in out.prefill if c.seq.params.prefill is not None and c.start == 0]
-        if whole:
-            failed += self._prefill_out_of_band(whole)
-            out = SchedulerOutput(out.decode, [c for c in out.prefill if not c.seq.finished],
-                                  out.preempted)
-        inner = SchedulerOutput(out.decode, [c for c in out.prefill if c not in whole], [])
-        try:
-            logits = self.runner.run(inner) if not inner.empty else None
-        except Exception as exc:  # a failed step fails only the requests in it
-            log.exception("engine step failed")
-            return failed + [self._fail(c.seq, f"{type(exc).__name__}: {exc}")
-                             for c in inner.chunks]
-        if self.prefix is not None:     # before postprocess frees the blocks of finished ones
-            self.prefix.end(inner.prefill)
+        whole = [c for c in out.prefill if c.start == 0 and not c.seq.finished
+                 and (c.seq.prefilled is not None or c.seq.params.prefill is not None)]
+        failed += self._prefill_out_of_band(whole)
+        out = SchedulerOutput([c for c in out.decode if not c.seq.finished],
+                              [c for c in out.prefill if not c.seq.finished], out.preempted)
+        inner = SchedulerOutput(out.decode, [c for c in out.prefill if c.logits is None], [])
+        sampled = None
+        if not inner.empty:
+            try:
+                sampled = self.runner.execute(inner, self._sampling_rows(inner))
+            except Exception as exc:  # a failed step fails only the requests in it
+                log.exception("engine step failed")
+                failed += [self._fail(c.seq, f"{type(exc).__name__}: {exc}")
+                           for c in inner.chunks]
+                out = SchedulerOutput([], [c for c in out.prefill if c.logits is not None], [])
+        if self.prefix is not None and sampled is not None:   # before postprocess frees
+            self.prefix.end(inner.prefill)                     # the blocks of finished ones
         exports = self._exports(out)
-        if whole:   # sampled rows in out.chunks order: decode, then prefill chunks
-            ext = {id(c): c.logits for c in whole if not c.seq.finished}
-            rows, it = [], iter(logits if logits is not None else [])
-            for c in out.chunks:
-                if c.sample:
-                    rows.append(ext[id(c)] if id(c) in ext else next(it))
-            logits = torch.stack(rows) if rows else None
-        return failed + (self._postprocess(out, logits, exports) if logits is not None else [])
+        return failed + self._postprocess(out, self._merge(out, sampled), exports)
+
+    def _sampling_rows(self, out: SchedulerOutput) -> SamplingRows:
+        seqs = [c.seq for c in out.chunks if c.sample]
+        return SamplingRows([s.params.sampling for s in seqs], [s.generator for s in seqs],
+                            [s.params.history(s.prompt_ids, s.output_ids, self.eos_token_ids)
+                             for s in seqs])
+
+    def _merge(self, out: SchedulerOutput, sampled: Sampled | None) -> list[tuple]:
+        """(token, log-prob, logits) of each sampling chunk in `out.chunks` order: the
+        runner's rows, and chunks prefilled out of band sampled here from their logits."""
+        ext = [c for c in out.chunks if c.sample and c.logits is not None]
+        drawn = {}
+        if ext:
+            logits = torch.stack([c.logits for c in ext]).float()
+            tokens, logprobs = sample(logits, *self._sampling_rows(SchedulerOutput(ext, [], [])))
+            drawn = {id(c): (int(tokens[i]), float(logprobs[i]), logits[i])
+                     for i, c in enumerate(ext)}
+        rows, i = [], 0
+        for c in out.chunks:
+            if not c.sample:
+                continue
+            if id(c) in drawn:
+                rows.append(drawn[id(c)])
+            else:
+                rows.append((int(sampled.tokens[i]), float(sampled.logprobs[i]),
+                             sampled.logits[i]))
+                i += 1
+        return rows
 
     def _exports(self, out: SchedulerOutput) -> dict[int, PromptExport]:
         """Prompts of `export_prompt` requests completed by this step, read from their
         blocks and slot before postprocess can free them."""
-        exports = {}
-        for c in out.prefill:
-            seq = c.seq
-            if (not seq.params.export_prompt or seq.finished or seq.output_ids
-                    or c.start + c.length < len(seq.prompt_ids)):
-                continue
-            slots = self.cache.token_slots(seq.block_table, len(seq.prompt_ids))
-            conv = rec = None
-            if seq.state_slot is not None:
-                conv = self.cache.conv[:, seq.state_slot].clone()
-                rec = self.cache.recurrent[:, seq.state_slot].clone()
-            exports[seq.seq_id] = PromptExport(self.cache.read_rows(slots), conv, rec)
-        return exports
+        return {c.seq.seq_id: self.runner.export(c.seq.block_table, c.seq.state_slot,
+                                                 len(c.seq.prompt_ids))
+                for c in out.prefill
+                if c.seq.params.export_prompt and not c.seq.finished and not c.seq.output_ids
+                and c.start + c.length >= len(c.seq.prompt_ids)}
 
-    def _prefill_out_of_band(self, chunks) -> list[StepOutput]:
-        """Whole-prompt prefills by the prefill service, written into this cache."""
+    def _prefill_out_of_band(self, chunks: list[ScheduledChunk]) -> list[StepOutput]:
+        """Whole prompts: one prefilled elsewhere is installed by the runner; otherwise the
+        prefill service prefills it into this cache. Each chunk then carries its logits."""
         failed = []
         for c in chunks:
             seq = c.seq
             try:
-                res = self.prefill_service.prefill(seq.tokens, seq.params.prefill)
-                res.write(self.cache, seq.block_table, seq.state_slot)
-                c.logits = res.logits[-1]
+                if seq.prefilled is not None:
+                    export, seq.prefilled = seq.prefilled, None   # recomputed if preempted
+                    self.runner.install(seq.block_table, seq.state_slot, export)
+                    c.logits = export.logits
+                else:
+                    res = self.prefill_service.prefill(seq.tokens, seq.params.prefill)
+                    res.write(self.cache, seq.block_table, seq.state_slot)
+                    c.logits = res.logits[-1]
             except Exception as exc:  # fails this request only
                 log.exception("prefill failed")
                 failed.append(self._fail(seq, f"{type(exc).__name__}: {exc}"))
         return failed
 
-    def _postprocess(self, out: SchedulerOutput, logits: torch.Tensor,
-                     exports: dict[int, PromptExport] | None = None) -> list[StepOutput]:
-        sampling = [c for c in out.chunks if c.sample]
+    def _postprocess(self, out: SchedulerOutput, rows: list[tuple],
+                     exports: dict[int, PromptExport]) -> list[StepOutput]:
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
-        if not sampling:
-            return []
-        seqs = [c.seq for c in sampling]
-        tokens, logprobs = sample(logits, [s.params.sampling for s in seqs],
-                                  [s.generator for s in seqs],
-                                  [s.params.history(s.prompt_ids, s.output_ids,
-                                                    self.eos_token_ids) for s in seqs])
         results = []
-        for i, seq in enumerate(seqs):
-            tok, lp = int(tokens[i]), float(logprobs[i])
+        for c, (tok, lp, logits) in zip([c for c in out.chunks if c.sample], rows):
+            seq = c.seq
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
             if seq.params.return_logits:
-                seq.logits.append(logits[i].clone())
-            export = exports.get(seq.seq_id) if exports else None
+                seq.logits.append(logits.clone())
+            export = exports.get(seq.seq_id)
             if export is not None:
-                export.logits = logits[i].clone()
+                export.logits = logits.clone()
             reason = self._stop_reason(seq, tok)
             if reason:
                 self._finish(seq, reason)
@@ -256,7 +277,7 @@ class LLMEngine:
                       and len(seq.output_ids) == 1 else None)
             results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
                                       export=export,
-                                      top_logprobs=seq.params.top_logprobs(logits[i]),
+                                      top_logprobs=seq.params.top_logprobs(logits),
                                       prompt_logprobs=prompt))
         return results
 
@@ -274,6 +295,7 @@ class LLMEngine:
             self.prefix.forget(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason
+        seq.prefilled = None
 
     def _fail(self, seq: Sequence, error: str) -> StepOutput:
         self._finish(seq, "error")

@@ -51,6 +51,11 @@ class CacheStorage:
         self.kv[0, i].view(-1, kvh, d)[slots] = k.to(self.kv.dtype)
         self.kv[1, i].view(-1, kvh, d)[slots] = v.to(self.kv.dtype)
 
+    def write_kv_all(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv [F, 2, N, KV, D] (every full-attention layer, as `read_rows` gives it) into
+        flat slots [N]."""
+        self.kv.flatten(2, 3)[:, :, slots] = kv.transpose(0, 1).to(self.kv)
+
     def token_slots(self, block_table: list[int], n: int) -> torch.Tensor:
         """Flat slots (block * block_size + offset) of positions [0, n) of a block table."""
         bs, pos = self.block_size, torch.arange(n)

@@ -14,18 +14,74 @@ Prefill chunks marked `capture` also get the FA output hiddens of the `keep_hidd
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 
 from kernels.attention import get_backend
-from kernels.sampling import as_entries, score_rows
 from kernels.attention.naive import PagedPlan
+from kernels.sampling import History, SamplingParams, as_entries, sample, score_rows
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
 from services.engine.kv_cache import CacheStorage
-from services.engine.scheduler import SchedulerOutput
+from services.engine.scheduler import ScheduledChunk, SchedulerOutput
+from services.common.messages import PromptExport
+
+
+class CacheLayout(NamedTuple):
+    """What the engine's allocators hand out, which a runner's storage must hold."""
+    num_blocks: int
+    block_size: int      # tokens per block
+    num_slots: int       # Gated DeltaNet state slots (one per running sequence)
+
+
+class SamplingRows(NamedTuple):
+    """How each sampling row of a step draws its token, in `out.chunks` order."""
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    histories: list[History]
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor       # [S] long
+    logprobs: torch.Tensor     # [S] fp32, of the chosen tokens
+    logits: torch.Tensor       # [S, V] fp32
+
+
+class Runner(Protocol):
+    """Executes scheduled steps against the storage it owns. The engine owns block ids
+    and state slots; the runner only reads and writes what they index. Called by the
+    engine thread only."""
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+        """Run the step's chunks and draw a token for each chunk that samples."""
+
+    def install(self, table: list[int], slot: int | None, export: PromptExport) -> None:
+        """Store a prompt prefilled elsewhere (KV into the blocks of `table`, GDN states
+        into `slot`)."""
+
+
+RunnerFactory = Callable[[CacheLayout], Runner]
+
+
+def score_chunk(c: ScheduledChunk, x: torch.Tensor, scorer) -> None:
+    """A chunk's prompt rows x [length, h]: each one's log-prob of the prompt token that
+    follows it, appended to the sequence's `prompt_logprobs` (row j holds entry j; rows a
+    preempted sequence computes again are not scored twice). `scorer(x, targets, k)` ->
+    (log-probs, top tokens, top log-probs), as `kernels.sampling.score_rows`."""
+    seq = c.seq
+    j0 = max(len(seq.prompt_logprobs), c.start)
+    j1 = min(c.start + c.length, len(seq.prompt_ids) - 1)
+    if j0 >= j1:
+        return
+    if j0 != len(seq.prompt_logprobs):       # a gap would misalign the entries
+        raise RuntimeError(f"prompt rows {len(seq.prompt_logprobs)}..{j0} were not scored")
+    targets = torch.tensor(seq.prompt_ids[j0 + 1:j1 + 1], device=x.device)
+    seq.prompt_logprobs += as_entries(targets, *scorer(
+        x[j0 - c.start:j1 - c.start], targets, seq.params.prompt_logprobs))
 
 
 @dataclass
@@ -73,12 +129,34 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
 
 
 class ModelRunner:
+    """The monolithic runner: the whole model in this process, the cache in a
+    `CacheStorage` (embedded server, prefill replicas)."""
+
     def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
                  keep_hidden: tuple[int, ...] = ()):
         self.model = model
         self.cache = cache
         self.attn = get_backend(attention_backend, model.device)
         self.keep_hidden = frozenset(keep_hidden)   # layers whose output capturing chunks keep
+
+    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+        logits = self.run(out)
+        return Sampled(*sample(logits, *sampling), logits)
+
+    def install(self, table: list[int], slot: int | None, export: PromptExport) -> None:
+        self.cache.write_kv_all(self.cache.token_slots(table, export.num_tokens), export.kv)
+        if slot is not None:
+            self.cache.conv[:, slot] = export.conv
+            self.cache.recurrent[:, slot] = export.recurrent
+
+    def export(self, table: list[int], slot: int | None, num_tokens: int) -> PromptExport:
+        """A copy of positions [0, num_tokens) and the state slot, for decode elsewhere."""
+        conv = rec = None
+        if slot is not None:
+            conv = self.cache.conv[:, slot].clone()
+            rec = self.cache.recurrent[:, slot].clone()
+        return PromptExport(self.cache.read_rows(self.cache.token_slots(table, num_tokens)),
+                            conv, rec)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
@@ -99,24 +177,9 @@ class ModelRunner:
                     c.hidden.append(x[row:row + n].clone())
         for (row, n, _, _), c in zip(st.prefill, out.prefill):
             if c.seq.params.prompt_logprobs is not None:
-                self._score_prompt(c, x[row:row + n])
+                score_chunk(c, x[row:row + n],
+                            lambda h, t, k: score_rows(self.model.final, h, t, k))
         return self.model.final(x[st.sample_rows]).float()
-
-    def _score_prompt(self, c, x: torch.Tensor) -> None:
-        """A chunk's prompt rows: each one's log-prob of the prompt token that follows it,
-        appended to the sequence's `prompt_logprobs` (row j holds entry j; rows a preempted
-        sequence computes again are not scored twice)."""
-        seq = c.seq
-        j0 = max(len(seq.prompt_logprobs), c.start)
-        j1 = min(c.start + c.length, len(seq.prompt_ids) - 1)
-        if j0 >= j1:
-            return
-        if j0 != len(seq.prompt_logprobs):       # a gap would misalign the entries
-            raise RuntimeError(f"prompt rows {len(seq.prompt_logprobs)}..{j0} were not scored")
-        targets = torch.tensor(seq.prompt_ids[j0 + 1:j1 + 1], device=x.device)
-        seq.prompt_logprobs += as_entries(targets, *score_rows(
-            self.model.final, x[j0 - c.start:j1 - c.start], targets,
-            seq.params.prompt_logprobs))
 
     def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors,
                         u: torch.Tensor | None) -> torch.Tensor:

@@ -83,8 +83,8 @@ def concurrently(base, on_started=None):
 
 def assert_no_leaks(ray, cluster, alive):
     for i in alive:
-        for free, total in ray.get(cluster.attention[i].blocks.remote()):
-            assert free == total
+        free, total = ray.get(cluster.attention[i].blocks.remote())
+        assert free == total
 
 
 def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_session):
@@ -247,12 +247,13 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv(cluster, ray_ses
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass                              # one token is out: the request holds KV
-        used = [sum(t - f for f, t in ray_session.get(a.blocks.remote()))
-                for a in handles.attention]
+        used = [t - f for f, t in ray_session.get([a.blocks.remote()
+                                                    for a in handles.attention])]
         assert sum(used) > 0
     deadline = time.time() + 30               # hung up long before 400 tokens
     while time.time() < deadline:
-        if all(f == t for a in handles.attention for f, t in ray_session.get(a.blocks.remote())):
+        if all(f == t for f, t in ray_session.get([a.blocks.remote()
+                                                   for a in handles.attention])):
             break
         time.sleep(0.2)
     assert_no_leaks(ray_session, handles, alive=[0, 1])

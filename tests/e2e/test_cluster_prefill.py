@@ -76,8 +76,8 @@ def new_block_tokens(prompts: list[list[int]], block_size: int = 16) -> int:
 
 
 def no_leaks(ray, cluster, prefills):
-    for free, total in ray.get(cluster.attention[0].blocks.remote()):
-        assert free == total
+    free, total = ray.get(cluster.attention[0].blocks.remote())
+    assert free == total
     for i in prefills:
         free, total = ray.get(cluster.prefills[i].blocks.remote())
         assert free == total

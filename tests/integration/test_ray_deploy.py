@@ -39,7 +39,8 @@ def run_concurrently(address: str, all_ids):
 
 def assert_no_leaks(ray, cluster):
     for actor in cluster.attention:
-        assert all(free == total for free, total in ray.get(actor.blocks.remote()))
+        free, total = ray.get(actor.blocks.remote())
+        assert free == total
 
 
 @pytest.mark.parametrize("family,transport", [("qwen3_next", "grpc"), ("llama3", "local")])

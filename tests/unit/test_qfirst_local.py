@@ -1,4 +1,5 @@
-"""Q-First disaggregated decode (standard wiring, local transport) against the exact engine."""
+"""Q-First disaggregated decode (standard wiring, local transport) against the exact engine:
+the same `LLMEngine` and scheduler, with the Q-First runner underneath."""
 from __future__ import annotations
 
 import pytest
@@ -6,22 +7,29 @@ import torch
 
 from kernels.sampling import SamplingParams
 from models import load_model
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import QFirstRunner, qfirst_engine
+from services.common.messages import RequestError
 from services.common.transport import PoolUnavailable, make_transport
-from services.engine import GenerationParams, LLMEngine
-from services.engine.sequence import RequestError
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.engine.runner import CacheLayout
 from services.mlp_pool import MLPPool
 from tests.conftest import FAMILIES
 
 PARAMS = GenerationParams(max_tokens=12, ignore_eos=True, return_logits=True)
 
 
-def build(model, num_shards=1, replicas=1, num_blocks=64, block_size=4):
-    shards = [KVShard(model.config, i, num_shards, num_blocks, block_size, model.dtype)
-              for i in range(num_shards)]
+def build(model, num_shards=1, replicas=1, num_blocks=64, block_size=4, **config):
+    """An attention service's engine: `num_blocks` engine blocks, each `block_size`
+    positions on every one of `num_shards` shards."""
     pools = [MLPPool(model, f"pool-{i}") for i in range(replicas)]
-    return AttentionService(model, shards, make_transport("local", pools)), shards, pools
+    engine = qfirst_engine(model, make_transport("local", pools), num_shards=num_shards,
+                           block_size=block_size, num_blocks=num_blocks, **config)
+    return engine, engine.runner.shards, pools
+
+
+def no_leaks(engine):
+    engine.blocks.check()
+    assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def prompts(n=4, seed=0):
@@ -41,11 +49,9 @@ def test_matches_exact_engine(family, num_shards, replicas, tiny_checkpoint):
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
         assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
-    for shard in shards:                           # every block back, on every shard
-        assert shard.blocks.num_free == shard.blocks.num_blocks
-        shard.blocks.check()
+    no_leaks(service)                              # every block back
     if num_shards == 3:                            # the KV really was spread over shards
-        assert all(shard.blocks.num_blocks for shard in shards)
+        assert all(bool(shard.kv.any()) for shard in shards)
     if replicas == 2:
         assert all(p.calls > 0 for p in pools)
 
@@ -96,8 +102,41 @@ def test_shards_hold_disjoint_positions(tiny_checkpoint):
     service, shards, _ = build(model, num_shards=3, block_size=4)
     rid = service.add_request(list(range(1, 30)), GenerationParams(max_tokens=2))
     service.step()
-    # 29 prompt positions = blocks 0..7: shard 0 holds blocks 0,3,6; 1 holds 1,4,7; 2 holds 2,5
-    assert [len(s.tables[rid]) for s in shards] == [3, 3, 2]
+    table = service.seqs[rid].block_table
+    assert len(table) == 3                         # 29 positions, 12 per engine block
+    # 29 prompt positions = shard blocks 0..7: shard 0 holds 0,3,6; 1 holds 1,4,7; 2 holds 2,5
+    written = []
+    for s in shards:
+        rows, slots = s.slots([table] * 29, list(range(29)))
+        assert rows == [p for p in range(29) if (p // 4) % 3 == s.index]
+        filled = s.kv[0, 0].abs().sum((0, -1)).flatten()        # [blocks · block_size]
+        assert filled[slots].ne(0).all() and int(filled.ne(0).sum()) == len(rows)
+        written += rows
+    assert sorted(written) == list(range(29))
+
+
+def test_chunked_prefill_beside_decode_is_exact(tiny_checkpoint):
+    """Prompts longer than a chunk are prefilled over several steps while other requests
+    decode in the same steps (the scheduler's token budget), as in the exact engine."""
+    path, _ = tiny_checkpoint("qwen3_5")
+    model = load_model(path)
+    config = dict(max_prefill_chunk=8, max_num_batched_tokens=12)
+    ref = LLMEngine(model, EngineConfig(**config)).generate(prompts(), PARAMS)
+    service, shards, _ = build(model, num_shards=2, **config)
+    ids = [service.add_request(p, PARAMS) for p in prompts()]
+    mixed = 0
+    while service.has_unfinished():
+        before = {s.seq_id: s.num_computed for s in service.scheduler.running}
+        service.step()
+        grew = [s for s in service.scheduler.running if s.seq_id in before
+                and s.num_computed - before[s.seq_id] > 1]
+        mixed += bool(grew) and any(s.output_ids for s in service.scheduler.running)
+    got = [service.pop(i) for i in ids]
+    assert mixed > 0                               # some step held decode and prefill rows
+    for r, s in zip(got, ref):
+        assert r.output_ids == s.output_ids
+        assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
+    no_leaks(service)
 
 
 def test_failed_pool_replica_is_retried_with_same_tokens(tiny_checkpoint):
@@ -116,7 +155,7 @@ def test_failed_pool_replica_is_retried_with_same_tokens(tiny_checkpoint):
 
     pools[0].stage = dying
     got = [r.output_ids for r in service.generate(prompts(), PARAMS)]
-    assert got == ref and service.pool.retries > 0
+    assert got == ref and service.runner.pool.retries > 0
 
 
 def test_all_replicas_down_fails_the_step_and_frees_its_kv(tiny_checkpoint):
@@ -127,15 +166,16 @@ def test_all_replicas_down_fails_the_step_and_frees_its_kv(tiny_checkpoint):
     [out] = service.step()
     assert out.finished and out.finish_reason == "error"
     assert PoolUnavailable.__name__ in out.error and "down" in out.error
-    assert service.requests[rid].error == out.error and not service.has_unfinished()
-    assert shards[0].blocks.num_free == shards[0].blocks.num_blocks
+    assert service.seqs[rid].error == out.error and not service.has_unfinished()
+    no_leaks(service)
 
 
 def test_wiring_must_match_checkpoint(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     model = load_model(path)
     with pytest.raises(ValueError, match="trained for 'standard'"):
-        AttentionService(model, [], make_transport("local", [MLPPool(model)]), wiring="qfirst")
+        QFirstRunner(model, make_transport("local", [MLPPool(model)]), CacheLayout(8, 4, 2),
+                     wiring="qfirst")
 
 
 def test_preemption_when_kv_runs_out_recomputes_with_same_tokens(tiny_checkpoint):
@@ -148,28 +188,26 @@ def test_preemption_when_kv_runs_out_recomputes_with_same_tokens(tiny_checkpoint
     ids = [service.add_request(p, PARAMS) for p in prompts()]
     preempted, peak = 0, 0
     while service.has_unfinished():
-        before = {r.seq_id for r in service.running()}
+        before = {s.seq_id for s in service.scheduler.running}
         service.step()
-        preempted += len(before & {r.seq_id for r in service.waiting})
-        peak = max(peak, max(s.blocks.num_used for s in shards))
+        preempted += len(before & {s.seq_id for s in service.scheduler.waiting})
+        peak = max(peak, service.blocks.num_used)
     assert [service.pop(i).output_ids for i in ids] == ref
     assert preempted > 0 and peak <= 12
-    for shard in shards:
-        assert shard.blocks.num_free == shard.blocks.num_blocks
-        shard.blocks.check()
+    no_leaks(service)
 
 
 def test_abort_frees_blocks_and_refuses_oversized_requests(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     service, shards, _ = build(load_model(path), num_shards=2, num_blocks=8, block_size=4)
-    with pytest.raises(Exception, match="KV cache"):
+    with pytest.raises(RequestError, match="exceeds the context length 64"):
         service.add_request(list(range(1, 60)), GenerationParams(max_tokens=20))
     rid = service.add_request(list(range(1, 20)), GenerationParams(max_tokens=8))
     service.step()
-    assert sum(s.blocks.num_used for s in shards) > 0
+    assert service.blocks.num_used > 0
     service.abort(rid)
-    assert service.requests[rid].finish_reason == "abort" and not service.has_unfinished()
-    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
+    assert service.seqs[rid].finish_reason == "abort" and not service.has_unfinished()
+    no_leaks(service)
 
 
 def test_out_of_vocabulary_prompt_is_refused_before_the_pool(tiny_checkpoint):
@@ -182,9 +220,9 @@ def test_out_of_vocabulary_prompt_is_refused_before_the_pool(tiny_checkpoint):
     for bad in ([5, -1, 7], [vocab], [3, True]):
         with pytest.raises(RequestError, match=r"token ids must be integers in \[0, "):
             service.add_request(bad, GenerationParams(max_tokens=4))
-    assert not service.requests and not service.has_unfinished()
+    assert not service.seqs and not service.has_unfinished()
     rid = service.add_request([1, 2, vocab - 1], GenerationParams(max_tokens=2, ignore_eos=True))
     while service.has_unfinished():
         service.step()
-    assert len(service.requests[rid].output_ids) == 2
-    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
+    assert len(service.seqs[rid].output_ids) == 2
+    no_leaks(service)

@@ -1,0 +1,192 @@
+"""The Q-First runner: executes the engine's scheduled steps as the cache side of Q-First
+disaggregated decode (seed 003; DESIGN.md, "Q-First decode protocol").
+
+Per step, for the flattened rows of its chunks (decode rows first, then prefill chunks):
+
+    z, k, v = pool.stage(0, token ids)
+    for each layer l:
+        full attention:  q = Wq N1(z)           (q-first wiring: Wq N1(u), before the reply)
+                         decode rows:  (O, lse) = merge over shards of the sweep of the
+                                       sequence's cached positions < j, combined with the
+                                       row's own k, v; then append k, v
+                         prefill rows: append k, v; (O, lse) = merge over shards of the
+                                       causal sweep up to and including the row
+        linear attention: conv + delta rule from the sequence's state slot, gated norm, Wo
+        u = z + Wo(out)
+        z, k, v = pool.stage(l + 1, u)          (the last stage samples instead)
+
+Holds: Wq, Wo, the attention norms and output gate, the GDN conv / gates / norm / out_proj,
+the KV shards and every sequence's GDN states. The pool holds the rest (embeddings, every
+feed-forward, Wk / Wv, the LM head) and no request state. Under q-first wiring the decode
+rows' sweep runs while the pool computes the previous feed-forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.merge import combine_current, merge_many
+from models.config import FULL_ATTENTION
+from models.gdn import GDNInputs
+from models.model import CausalLM
+from services.attention.shard import KVShard, SeqRows, table_runs
+from services.common.messages import PromptExport
+from services.common.transport import Transport
+from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.runner import CacheLayout, Sampled, SamplingRows, score_chunk
+from services.engine.scheduler import SchedulerOutput
+
+WIRINGS = ("standard", "qfirst")
+
+
+class StepRows:
+    """A step's rows as the shards see them, built once per step."""
+
+    def __init__(self, out: SchedulerOutput, shards: list[KVShard], device):
+        ids, positions, tables = [], [], []
+        self.seqs: list[SeqRows] = []
+        for c in out.chunks:
+            rows = list(range(len(ids), len(ids) + c.length))
+            table = c.seq.block_table
+            self.seqs.append(SeqRows(rows, table, table_runs(table)))
+            ids += c.seq.tokens[c.start:c.start + c.length]
+            positions += range(c.start, c.start + c.length)
+            tables += [table] * c.length
+        self.num_decode = len(out.decode)
+        self.decode, self.prefill = self.seqs[:self.num_decode], self.seqs[self.num_decode:]
+        self.positions = positions
+        self.ids = torch.tensor(ids, dtype=torch.long, device=device)
+        self.pos = torch.tensor(positions, dtype=torch.long, device=device)
+        # decode rows see positions < j (their own k, v is combined in); prefill rows
+        # see up to and including themselves
+        self.limits = [p + (i >= self.num_decode) for i, p in enumerate(positions)]
+        self.writes = []                 # per shard: (row indices, flat slots)
+        for s in shards:
+            rows, slots = s.slots(tables, positions)
+            self.writes.append((torch.tensor(rows, dtype=torch.long, device=device),
+                                torch.tensor(slots, dtype=torch.long)))
+
+
+class QFirstRunner:
+    def __init__(self, model: CausalLM, pool: Transport, layout: CacheLayout,
+                 num_shards: int = 1, wiring: str | None = None,
+                 names: list[str] | None = None):
+        """`layout.block_size` (the engine's) is `num_shards` shard blocks: see
+        `services.attention.shard`."""
+        wiring = wiring or model.config.wiring
+        if wiring not in WIRINGS:
+            raise ValueError(f"unknown wiring {wiring!r}")
+        if wiring != model.config.wiring:
+            raise ValueError(f"this checkpoint was trained for {model.config.wiring!r} "
+                             f"wiring, not {wiring!r}")
+        if layout.block_size % num_shards:
+            raise ValueError(f"block size {layout.block_size} is not a multiple of "
+                             f"{num_shards} shards")
+        self.model, self.pool, self.wiring = model, pool, wiring
+        self.cfg = cfg = model.config
+        bs = layout.block_size // num_shards
+        self.shards = [KVShard(cfg, i, num_shards, layout.num_blocks, bs, model.dtype,
+                               name=names[i] if names else None, device=model.device)
+                       for i in range(num_shards)]
+        gdn = cfg.linear_attention_layers
+        self.gdn_index = {l: i for i, l in enumerate(gdn)}
+        self.conv = self.rec = None
+        if gdn:
+            self.conv = torch.zeros(len(gdn), layout.num_slots, cfg.gdn_conv_dim,
+                                    cfg.linear_conv_kernel_dim - 1, dtype=model.dtype,
+                                    device=model.device)
+            self.rec = torch.zeros(len(gdn), layout.num_slots, cfg.linear_num_value_heads,
+                                   cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                   device=model.device)
+
+    # ---- the runner contract ---------------------------------------------------------
+    def install(self, table: list[int], slot: int | None, export: PromptExport) -> None:
+        for i, l in enumerate(self.cfg.full_attention_layers):
+            for s in self.shards:
+                s.write_prompt(l, table, export.kv[i, 0], export.kv[i, 1])
+        if slot is not None:
+            self.conv[:, slot] = export.conv
+            self.rec[:, slot] = export.recurrent
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+        st = StepRows(out, self.shards, self.model.device)
+        for c in out.prefill:
+            if c.start == 0 and c.seq.state_slot is not None:
+                self.conv[:, c.seq.state_slot].zero_()
+                self.rec[:, c.seq.state_slot].zero_()
+        pending = self.pool.submit("stage", 0, st.ids, st.pos)
+        u = None                     # what `pending` was computed from: layer l−1's MLP input
+        layers = self.cfg.num_hidden_layers
+        for l in range(layers):
+            if self.model.layer(l).kind == FULL_ATTENTION:
+                u = self._full_attention(l, pending, st, u)
+            else:
+                u = self._gated_deltanet(l, pending.result(), out, st)
+            if l + 1 < layers:
+                pending = self.pool.submit("stage", l + 1, u, st.pos)
+        for seq_rows, c in zip(st.prefill, out.prefill):
+            if c.seq.params.prompt_logprobs is not None:
+                score_chunk(c, u[seq_rows.rows],
+                            lambda x, t, k: self.pool.call("score", x, t, k))
+        last = [r.rows[-1] for r, c in zip(st.seqs, out.chunks) if c.sample]
+        tokens, logprobs, logits = self.pool.call(
+            "final", u[torch.tensor(last, dtype=torch.long, device=u.device)], *sampling)
+        return Sampled(tokens, logprobs, logits)
+
+    # ---- layers ------------------------------------------------------------------------
+    def _full_attention(self, l, pending, st: StepRows, u_prev):
+        m, nd = self.model, st.num_decode
+        parts = None
+        early = u_prev is not None and m.query_source(l, None, u_prev) is u_prev
+        if early and nd:
+            # q-first: q comes from u_prev, which the pool is still turning into z, k, v;
+            # the decode rows' cache sweep runs now, overlapping the pool's feed-forward
+            q, gate = m.attn_query(l, m.norm_in(l, u_prev), st.pos)
+            parts = [s.sweep(l, st.decode, q, st.limits) for s in self.shards]
+            out = pending.result()
+        else:
+            out = pending.result()
+            q, gate = m.attn_query(l, m.norm_in(l, m.query_source(l, out.z, u_prev)), st.pos)
+        for s, (rows, slots) in zip(self.shards, st.writes):
+            s.write(l, slots, out.k[rows], out.v[rows])
+        if parts is None:      # every row in one sweep per shard
+            o, lse = merge_many([s.sweep(l, st.seqs, q, st.limits) for s in self.shards])
+            od, lsed = o[:nd], lse[:nd]
+        else:                  # the prefill rows now, the decode rows were swept early
+            o, _ = merge_many([s.sweep(l, st.prefill, q, st.limits) for s in self.shards])
+            od, lsed = merge_many([(po[:nd], pl[:nd]) for po, pl in parts])
+        if nd:   # decode rows: what is cached (< j), then fold in the row's own k, v
+            o[:nd], _ = combine_current(od, lsed, q[:nd], out.k[:nd], out.v[:nd])
+        return m.attn_output(l, out.z, o, gate)
+
+    def _gated_deltanet(self, l, out, sched: SchedulerOutput, st: StepRows):
+        gi, nd = self.gdn_index[l], st.num_decode
+        conv, rec = self.conv[gi], self.rec[gi]
+        o = torch.empty_like(out.gdn.z)
+        if nd:   # one row per sequence: a single batched recurrent step over their slots
+            sl = torch.tensor([c.seq.state_slot for c in sched.decode], device=rec.device)
+            inp = GDNInputs(*(t[:nd, None] for t in out.gdn))
+            o_d, conv[sl], rec[sl] = self.model.gdn_mix(l, inp, conv[sl], rec[sl])
+            o[:nd] = o_d[:, 0]
+        for seq_rows, c in zip(st.prefill, sched.prefill):
+            r0, n, slot = seq_rows.rows[0], len(seq_rows.rows), c.seq.state_slot
+            inp = GDNInputs(*(t[r0:r0 + n][None] for t in out.gdn))
+            o_p, c_new, r_new = self.model.gdn_mix(l, inp, conv[slot:slot + 1],
+                                                   rec[slot:slot + 1])
+            conv[slot], rec[slot] = c_new[0], r_new[0]
+            o[r0:r0 + n] = o_p[0]
+        return self.model.gdn_output(l, out.z, o, out.gdn.z)
+
+
+def qfirst_engine(model: CausalLM, pool: Transport, *, num_shards: int = 1,
+                  block_size: int = 16, wiring: str | None = None,
+                  config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
+                  shard_names: list[str] | None = None, **config_fields) -> LLMEngine:
+    """The engine of an attention service: the one `LLMEngine` and its scheduler, with a
+    `QFirstRunner` over `num_shards` KV shards of `block_size`-token blocks each.
+    `config_fields`: more `EngineConfig` fields (num_blocks, kv_cache_bytes, max_num_seqs,
+    ...); its block size is `block_size · num_shards`."""
+    config = config or EngineConfig(block_size=block_size * num_shards, **config_fields)
+    return LLMEngine(model, config, eos_token_ids=eos_token_ids,
+                     runner=lambda layout: QFirstRunner(model, pool, layout, num_shards,
+                                                        wiring, shard_names))
