@@ -52,7 +52,7 @@ def tiny_checkpoint(tmp_path_factory, tiny_configs):
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray cluster on loopback for the whole test session (it is slow to start
-    on 2 cores); `ray.shutdown()` at the end ends only what this session started."""
+    on 2 cores); `ray.shutdown()` at the end ends only what this fixture started."""
     import ray
 
     from services.common.ray_deploy import init_ray
