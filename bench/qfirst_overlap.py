@@ -18,9 +18,9 @@ Where things run (DESIGN.md, "Q-First decode protocol"):
 
 The cache is filled, not prefilled: prefilling 32K tokens takes far too long on a CPU and
 SmolLM2 has 8K positions, so this measures time only. Each request's KV blocks are reserved
-and written with random finite values (N(0, 1), fp32 like the model), and it starts decoding
-with `num_cached = context` (the engine: a prefix-cache hook admits it with `context` tokens
-cached). Positions past max_position_embeddings only lengthen the rotary table. The q-first
+and written with random finite values (N(0, 1), fp32 like the model): a scheduler hook admits
+each request with `context` tokens cached, as a prefix-cache hit would, in the Q-First
+engines (both wirings over one shared cache) and in the monolithic one. Positions past max_position_embeddings only lengthen the rotary table. The q-first
 service loads the checkpoint marked "splitstack_wiring": "qfirst" (same weights; a
 converted Wq changes quality, not time). A point whose KV does not fit in free memory, less
 --mem-slack GiB, is skipped with a note (32K x 8 needs 11.3 GiB).
@@ -56,7 +56,7 @@ from bench.qfirst_probes import (Clock, PoolProcess, TimedPool, TimedShard,  # n
                                  TimedTransport, available_bytes, fill_random, kv_bytes,
                                  wiring_checkpoint)
 from models import load_model  # noqa: E402
-from services.attention.service import AttentionService, Request  # noqa: E402
+from services.attention.runner import qfirst_engine  # noqa: E402
 from services.common.transport import make_transport  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 
@@ -65,48 +65,51 @@ GiB = 1 << 30
 WIRINGS = ("standard", "qfirst")
 
 
-def inject(service, ctx: int, batch: int) -> list[Request]:
-    """Requests 0..batch-1 with `ctx` cached tokens (blocks reserved and filled already)."""
-    params = GenerationParams(max_tokens=1 << 20, ignore_eos=True)
-    reqs = [Request(i, [1] * (ctx + 1), params, num_cached=ctx) for i in range(batch)]
-    for r in reqs:
-        if service.slots is not None:
-            r.state_slot = service.slots.allocate()
-        service.requests[r.seq_id] = r
-    return reqs
+def step(engine, wiring: str) -> None:
+    for out in engine.step():
+        if out.finished:
+            raise RuntimeError(f"{wiring} decode ended: {out.finish_reason} {out.error}")
 
 
-def run_wirings(services: dict, shard, ctx: int, batch: int, args, pool_take) -> dict:
+def decode_engine(model, transport, shard, ctx: int, batch: int, total: int, wiring: str):
+    """A Q-First engine over `shard` whose `batch` requests have `ctx` tokens cached (a
+    scheduler hook, as a prefix-cache hit admits them) and have computed the last prompt
+    token: from here every step decodes."""
+    engine = qfirst_engine(model, transport, wiring=wiring, shards=[shard], config=EngineConfig(
+        block_size=BLOCK, num_blocks=shard.kv.shape[3], max_num_seqs=batch,
+        max_num_batched_tokens=max(batch, 16), max_prefill_chunk=16, max_model_len=total))
+    engine.scheduler.cached_tokens = lambda seq: len(seq.prompt_ids) - 1
+    params = GenerationParams(max_tokens=total - ctx - 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request([1] * (ctx + 1), params)
+    step(engine, wiring)
+    return engine
+
+
+def run_wirings(engines: dict, shard, ctx: int, batch: int, args, pool_take) -> dict:
     """Decode steps of both wirings, alternating (and alternating which goes first). Both
-    decode seq ids 0..batch-1 over the same shard; each writes its own next positions, which
-    only changes random cache contents."""
-    reqs = {w: inject(s, ctx, batch) for w, s in services.items()}
-    clocks = {w: Clock() for w in services}
+    engines hold the same block tables over the same shard; each writes its own next
+    positions, which only changes random cache contents."""
+    fill_random(shard.kv)
+    clocks = {w: Clock() for w in engines}
     times, pool = defaultdict(list), defaultdict(float)
     for i in range(args.warmup + args.steps):
         for w in (WIRINGS if i % 2 == 0 else WIRINGS[::-1]):
-            shard.clock = services[w].pool.clock = clocks[w]
+            shard.clock = engines[w].runner.pool.clock = clocks[w]
             pool_take()
             t = time.perf_counter()
-            services[w].step()
+            step(engines[w], w)
             t = time.perf_counter() - t
             took = pool_take().get("pool", {"s": 0.0})["s"]
-            failed = [r for r in reqs[w] if r.finish_reason is not None]
-            if failed:
-                raise RuntimeError(f"{w} decode failed: {failed[0].error}")
             if i == args.warmup - 1:
                 clocks[w].take()
             if i >= args.warmup:
                 times[w].append(t)
                 pool[w] += took
-    cfg = services["standard"].cfg
+    cfg = engines["standard"].model.config
     n_fa, stages = len(cfg.full_attention_layers), cfg.num_hidden_layers
     out = {}
-    for w, s in services.items():
-        for r in reqs[w]:
-            s.requests.pop(r.seq_id)
-            if r.state_slot is not None:
-                s.slots.free(r.state_slot)
+    for w in engines:
         c = {k: v["s"] / args.steps * 1e3 for k, v in clocks[w].take().items()}  # ms/step
         mean = statistics.mean(times[w]) * 1e3
         out[w] = {"ms_per_token": statistics.median(times[w]) * 1e3,
@@ -126,7 +129,7 @@ def run_engine(model, ctx: int, batch: int, args) -> dict:
     total = ctx + 1 + args.warmup + args.steps + 1
     engine = LLMEngine(model, EngineConfig(
         block_size=BLOCK, num_blocks=batch * -(-total // BLOCK), max_num_seqs=batch,
-        max_num_batched_tokens=max(batch, 16), max_prefill_chunk=16, max_model_len=total + 1))
+        max_num_batched_tokens=max(batch, 16), max_prefill_chunk=16, max_model_len=total))
     engine.scheduler.cached_tokens = lambda seq: len(seq.prompt_ids) - 1
     params = GenerationParams(max_tokens=total - ctx - 1, ignore_eos=True)
     for _ in range(batch):
@@ -148,7 +151,7 @@ def run_engine(model, ctx: int, batch: int, args) -> dict:
 
 def measure(ctx: int, batch: int, args, models: dict, transports: dict) -> dict | None:
     cfg, dtype = models["standard"].config, models["standard"].dtype
-    total = ctx + 1 + args.warmup + args.steps + 1
+    total = ctx + 1 + args.warmup + args.steps + 2     # the last step must not end them
     blocks = batch * -(-total // BLOCK)
     need, free = kv_bytes(cfg, blocks * BLOCK, dtype), available_bytes()
     if need + args.mem_slack * GiB > free:
@@ -157,15 +160,12 @@ def measure(ctx: int, batch: int, args, models: dict, transports: dict) -> dict 
         return None
     print(f"context {ctx} batch {batch} ({need / GiB:.2f} GiB of KV)", flush=True)
     shard = TimedShard(cfg, 0, 1, blocks, BLOCK, dtype, clock=Clock())
-    for i in range(batch):
-        shard.reserve(i, total)
-    fill_random(shard.kv)
     point = {"context": ctx, "batch": batch, "kv_gib": need / GiB, "transports": {}}
     for name, (transport, pool_take) in transports.items():
-        services = {w: AttentionService(models[w], [shard], TimedTransport(transport, Clock()),
-                                        wiring=w, max_num_seqs=batch) for w in WIRINGS}
-        point["transports"][name] = run_wirings(services, shard, ctx, batch, args, pool_take)
-        del services
+        engines = {w: decode_engine(models[w], TimedTransport(transport, Clock()), shard, ctx,
+                                    batch, total, w) for w in WIRINGS}
+        point["transports"][name] = run_wirings(engines, shard, ctx, batch, args, pool_take)
+        del engines
     del shard
     gc.collect()
     point["mono"] = run_engine(models["standard"], ctx, batch, args)

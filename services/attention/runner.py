@@ -69,9 +69,10 @@ class StepRows:
 class QFirstRunner:
     def __init__(self, model: CausalLM, pool: Transport, layout: CacheLayout,
                  num_shards: int = 1, wiring: str | None = None,
-                 names: list[str] | None = None):
+                 names: list[str] | None = None, shards: list[KVShard] | None = None):
         """`layout.block_size` (the engine's) is `num_shards` shard blocks: see
-        `services.attention.shard`."""
+        `services.attention.shard`. `shards`: storage to use instead of allocating it (a
+        benchmark shares one filled cache between two runners)."""
         wiring = wiring or model.config.wiring
         if wiring not in WIRINGS:
             raise ValueError(f"unknown wiring {wiring!r}")
@@ -84,9 +85,12 @@ class QFirstRunner:
         self.model, self.pool, self.wiring = model, pool, wiring
         self.cfg = cfg = model.config
         bs = layout.block_size // num_shards
-        self.shards = [KVShard(cfg, i, num_shards, layout.num_blocks, bs, model.dtype,
-                               name=names[i] if names else None, device=model.device)
-                       for i in range(num_shards)]
+        self.shards = shards or [KVShard(cfg, i, num_shards, layout.num_blocks, bs, model.dtype,
+                                         name=names[i] if names else None, device=model.device)
+                                 for i in range(num_shards)]
+        if [(s.num_shards, s.block_size, s.kv.shape[3]) for s in self.shards] != \
+                [(num_shards, bs, layout.num_blocks)] * num_shards:
+            raise ValueError("the shards do not match the engine's cache layout")
         gdn = cfg.linear_attention_layers
         self.gdn_index = {l: i for i, l in enumerate(gdn)}
         self.conv = self.rec = None
@@ -181,7 +185,8 @@ class QFirstRunner:
 def qfirst_engine(model: CausalLM, pool: Transport, *, num_shards: int = 1,
                   block_size: int = 16, wiring: str | None = None,
                   config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
-                  shard_names: list[str] | None = None, **config_fields) -> LLMEngine:
+                  shard_names: list[str] | None = None, shards: list[KVShard] | None = None,
+                  **config_fields) -> LLMEngine:
     """The engine of an attention service: the one `LLMEngine` and its scheduler, with a
     `QFirstRunner` over `num_shards` KV shards of `block_size`-token blocks each.
     `config_fields`: more `EngineConfig` fields (num_blocks, kv_cache_bytes, max_num_seqs,
@@ -189,4 +194,4 @@ def qfirst_engine(model: CausalLM, pool: Transport, *, num_shards: int = 1,
     config = config or EngineConfig(block_size=block_size * num_shards, **config_fields)
     return LLMEngine(model, config, eos_token_ids=eos_token_ids,
                      runner=lambda layout: QFirstRunner(model, pool, layout, num_shards,
-                                                        wiring, shard_names))
+                                                        wiring, shard_names, shards))

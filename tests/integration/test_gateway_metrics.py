@@ -10,8 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from models import load_model
 from services.attention.server import serve_attention
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import qfirst_engine
 from services.common.transport import make_transport
 from services.gateway.cluster_backend import ClusterBackend
 from services.mlp_pool import MLPPool
@@ -24,8 +23,8 @@ def test_local_pool_metrics_reach_the_gateway(tiny_checkpoint):
     model = load_model(path)
     pool_registry = CollectorRegistry()
     pool = MeteredPool(MLPPool(model), PoolMetrics(pool_registry))
-    service = AttentionService(model, [KVShard(model.config, 0, 1, 64, 4, model.dtype)],
-                               make_transport("local", [pool]))
+    service = qfirst_engine(model, make_transport("local", [pool]), block_size=4,
+                            num_blocks=64)
     got = service.generate(prompts(), PARAMS)
     assert all(len(r.output_ids) == PARAMS.max_tokens for r in got)
     steps = sum(len(r.output_ids) for r in got)

@@ -20,8 +20,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from models import load_model
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import qfirst_engine
 from services.common.nccl_transport import NcclPoolStream, NcclTransport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
@@ -113,9 +112,8 @@ def nccl_pools():
 
 
 def service_over(model, streams, num_shards=2):
-    shards = [KVShard(model.config, i, num_shards, 64, 4, model.dtype)
-              for i in range(num_shards)]
-    return AttentionService(model, shards, NcclTransport(streams)), shards
+    return qfirst_engine(model, NcclTransport(streams), num_shards=num_shards, block_size=4,
+                         num_blocks=64)
 
 
 def tensor_bytes(msg) -> int:
@@ -136,12 +134,13 @@ def test_nccl_protocol_matches_exact_engine(family, tiny_checkpoint, nccl_pools)
     model = load_model(path)
     ref = LLMEngine(model).generate(prompts(), PARAMS)
     streams = [st for _, st in nccl_pools(model, 2)]
-    service, shards = service_over(model, streams)
+    service = service_over(model, streams)
     got = service.generate(prompts(), PARAMS)
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
         assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
-    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
+    service.blocks.check()
+    assert service.blocks.num_free == service.blocks.num_blocks
     for st in streams:
         assert st.control_out and st.control_in
         # control only on gRPC: every tensor travelled over the link, none as bytes
@@ -162,7 +161,7 @@ def test_nccl_protocol_seeded_sampling(tiny_checkpoint, nccl_pools):
     params = GenerationParams(max_tokens=8, ignore_eos=True,
                               sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=4))
     ref = [r.output_ids for r in LLMEngine(model).generate(prompts(), params)]
-    service, _ = service_over(model, [st for _, st in nccl_pools(model, 1)], num_shards=1)
+    service = service_over(model, [st for _, st in nccl_pools(model, 1)], num_shards=1)
     assert [r.output_ids for r in service.generate(prompts(), params)] == ref
 
 
@@ -171,9 +170,9 @@ def test_nccl_protocol_dead_replica_is_retried(tiny_checkpoint, nccl_pools):
     model = load_model(path)
     ref = [r.output_ids for r in LLMEngine(model).generate(prompts(), PARAMS)]
     pairs = nccl_pools(model, 2)
-    service, _ = service_over(model, [st for _, st in pairs])
+    service = service_over(model, [st for _, st in pairs])
     got = generate_stopping_after_prefill(service, lambda: pairs[0][0].stop(0))
-    assert got == ref and service.pool.retries > 0
+    assert got == ref and service.runner.pool.retries > 0
 
 
 # ---- the prefill service's KV and states over the link --------------------------------
@@ -229,8 +228,8 @@ def test_nccl_prefill_matches_exact_engine(family, tiny_checkpoint, nccl_prefill
                                     peer="attention-0")
     with ThreadPoolExecutor(len(batch)) as ex:
         exports = list(ex.map(lambda p: client.prefill(p, pb.PrefillOptions()), batch))
-    service, shards = prefill_attention(model)
-    ids = [service.add_request(p, PREFILL_PARAMS, e) for p, e in zip(batch, exports)]
+    service = prefill_attention(model)
+    ids = [service.add_request(p, PREFILL_PARAMS, prefilled=e) for p, e in zip(batch, exports)]
     while service.has_unfinished():
         service.step()
     for i, s in zip(ids, ref):
@@ -246,7 +245,7 @@ def test_nccl_prefill_matches_exact_engine(family, tiny_checkpoint, nccl_prefill
             assert tensor_bytes(ev) == 0          # metadata only; the bytes took the link
         elif ev.WhichOneof("part") == "logits":
             assert len(ev.logits.data) == cfg.vocab_size * model.dtype.itemsize
-    no_prefill_leaks(shards, engine)
+    no_prefill_leaks(engine, service)
 
 
 def test_nccl_prefill_pull_is_checked(tiny_checkpoint, nccl_prefill):
@@ -274,7 +273,7 @@ def test_nccl_prefill_pull_is_checked(tiny_checkpoint, nccl_prefill):
     with pytest.raises(grpc.RpcError) as err:
         stub.Pull(ok)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    no_prefill_leaks([], engine)
+    no_prefill_leaks(engine)
 
     plain, _, _, _, _ = nccl_prefill(model, path, nccl=False)
     client = PrefillClient([plain], model.config, model.dtype, links=[cache_end],

@@ -17,8 +17,7 @@ from prometheus_client import CollectorRegistry
 from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.server import serve_attention
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import qfirst_engine
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.transport import make_transport
@@ -59,25 +58,23 @@ def servers():
 
 
 def attention(model, num_shards=2):
-    shards = [KVShard(model.config, i, num_shards, 64, 4, model.dtype)
-              for i in range(num_shards)]
-    pools = [MLPPool(model, "pool-0")]
-    return AttentionService(model, shards, make_transport("local", pools)), shards
+    engine = qfirst_engine(model, make_transport("local", [MLPPool(model, "pool-0")]),
+                           num_shards=num_shards, block_size=4, num_blocks=64)
+    return engine
 
 
 def decode_prefilled(service, client, batch, params=PARAMS, options=pb.PrefillOptions()):
-    ids = [service.add_request(p, params, client.prefill(p, options)) for p in batch]
+    ids = [service.add_request(p, params, prefilled=client.prefill(p, options)) for p in batch]
     while service.has_unfinished():
         service.step()
     return [service.pop(i) for i in ids]
 
 
-def no_leaks(shards, engine):
-    for s in shards:
-        s.blocks.check()
-        assert s.blocks.num_free == s.blocks.num_blocks
-    engine.blocks.check()
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+def no_leaks(*engines):
+    """Every block back in each engine (the prefill replica's, the attention service's)."""
+    for engine in engines:
+        engine.blocks.check()
+        assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -86,13 +83,13 @@ def test_exact_prefill_service_matches_engine(family, tiny_checkpoint, servers):
     model = load_model(path)
     ref = LLMEngine(model).generate(prompts(), PARAMS)
     address, engine, _, _ = servers(model, path)
-    service, shards = attention(model)
+    service = attention(model)
     client = PrefillClient([address], model.config, model.dtype)
     got = decode_prefilled(service, client, prompts())
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
         assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
-    no_leaks(shards, engine)
+    no_leaks(engine, service)
 
 
 def test_seeded_sampling_continues_after_remote_prefill(tiny_checkpoint, servers):
@@ -104,7 +101,7 @@ def test_seeded_sampling_continues_after_remote_prefill(tiny_checkpoint, servers
                               sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=11))
     ref = LLMEngine(model).generate(prompts(), params)
     address, *_ = servers(model, path)
-    service, _ = attention(model)
+    service = attention(model)
     got = decode_prefilled(service, PrefillClient([address], model.config, model.dtype),
                            prompts(), params)
     assert [r.output_ids for r in got] == [s.output_ids for s in ref]
@@ -120,7 +117,7 @@ def test_prefix_cache_hit_in_prefill_service(tiny_checkpoint, servers):
     ref = LLMEngine(model).generate([base, second], PARAMS)
     address, engine, registry, _ = servers(model, path, EngineOptions(
         kv_cache_bytes=8 << 20, prefix_cache_bytes=64 << 20))
-    service, shards = attention(model)
+    service = attention(model)
     client = PrefillClient([address], model.config, model.dtype)
     got = decode_prefilled(service, client, [base]) + decode_prefilled(service, client, [second])
     for r, s in zip(got, ref):
@@ -129,7 +126,7 @@ def test_prefix_cache_hit_in_prefill_service(tiny_checkpoint, servers):
     hits = sum(m.value for fam in registry.collect() for m in fam.samples
                if m.name == "splitstack_prefix_cache_hit_tokens_total")
     assert hits == 37
-    no_leaks(shards, engine)
+    no_leaks(engine, service)
 
 
 def test_hybrid_prefix_hit_replays_in_prefill_service(tiny_checkpoint, servers):
@@ -141,13 +138,13 @@ def test_hybrid_prefix_hit_replays_in_prefill_service(tiny_checkpoint, servers):
     ref = LLMEngine(model).generate([second], PARAMS)
     address, engine, _, _ = servers(model, path, EngineOptions(
         kv_cache_bytes=8 << 20, prefix_cache_bytes=64 << 20, replay_ratio=1.0))
-    service, shards = attention(model)
+    service = attention(model)
     client = PrefillClient([address], model.config, model.dtype)
     decode_prefilled(service, client, [base])
     got = decode_prefilled(service, client, [second])
     assert got[0].output_ids == ref[0].output_ids
     assert (torch.stack(got[0].logits) - torch.stack(ref[0].logits)).abs().max() <= 1e-4
-    no_leaks(shards, engine)
+    no_leaks(engine, service)
 
 
 def test_refusals_name_the_field(tiny_checkpoint, servers):
@@ -168,7 +165,7 @@ def test_refusals_name_the_field(tiny_checkpoint, servers):
     with pytest.raises(PrefillRefused) as exc:
         client.prefill([], pb.PrefillOptions())
     assert exc.value.field == "prompt"
-    no_leaks([], engine)
+    no_leaks(engine)
 
 
 def test_ridgefill_settings_checked_by_the_service(tiny_checkpoint, servers):
@@ -180,7 +177,7 @@ def test_ridgefill_settings_checked_by_the_service(tiny_checkpoint, servers):
     model = load_model(path)
     address, engine, registry, _ = servers(model, path, EngineOptions(
         kv_cache_bytes=8 << 20, prefill=PrefillConfig(mode="ridgefill", split=1, tail=4)))
-    service, shards = attention(model)
+    service = attention(model)
     client = PrefillClient([address], model.config, model.dtype)
     opts = options_to_proto(RemotePrefill("ridgefill", {"fill": "identity", "tail": 4}), None)
     got = decode_prefilled(service, client, prompts((40,)), options=opts)
@@ -191,7 +188,7 @@ def test_ridgefill_settings_checked_by_the_service(tiny_checkpoint, servers):
     with pytest.raises(PrefillRefused, match="selector"):
         client.prefill(prompts()[0], options_to_proto(
             RemotePrefill("ridgefill", {"fill": "identity", "selector": "psychic"}), None))
-    no_leaks(shards, engine)
+    no_leaks(engine, service)
 
 
 def test_dead_replica_is_retried_on_another(tiny_checkpoint, servers):
@@ -202,11 +199,11 @@ def test_dead_replica_is_retried_on_another(tiny_checkpoint, servers):
     a1, engine1, _, _ = servers(model, path, name="prefill-1")
     client = PrefillClient([a0, a1], model.config, model.dtype)
     server0.stop(0)                   # replica 0 is gone: every prefill lands on replica 1
-    service, shards = attention(model)
+    service = attention(model)
     got = decode_prefilled(service, client, prompts())
     assert [r.output_ids for r in got] == [s.output_ids for s in ref]
     assert client.retries > 0
-    no_leaks(shards, engine1)
+    no_leaks(engine1, service)
     server1 = [a1]
     with pytest.raises(PrefillFailed, match="no prefill replica"):
         PrefillClient([a0], model.config, model.dtype).prefill(prompts()[0],
@@ -235,7 +232,7 @@ def test_cancelled_prefill_frees_its_blocks(tiny_checkpoint, servers):
             break
         done.wait(0.05)
     assert done.is_set()
-    no_leaks([], engine)
+    no_leaks(engine)
 
 
 def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
@@ -246,7 +243,7 @@ def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
     params = GenerationParams(max_tokens=6, ignore_eos=True)
     ref = LLMEngine(model).generate(prompts(), params)
     address, engine, _, _ = servers(model, path)
-    service, shards = attention(model)
+    service = attention(model)
     server, att_address, loop = serve_attention(
         service, prefill=PrefillClient([address], model.config, model.dtype))
     try:
@@ -263,7 +260,7 @@ def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
     finally:
         server.stop(0)
         loop.shutdown()
-    no_leaks(shards, engine)
+    no_leaks(engine, service)
 
 
 def test_cache_aware_routing_sends_a_prefix_where_it_is_cached(tiny_checkpoint, servers):

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from models import load_model
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import qfirst_engine
 from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
@@ -22,9 +21,9 @@ def prompts():
 
 
 def service_over_grpc(model, servers, num_shards=2):
-    shards = [KVShard(model.config, i, num_shards, 64, 4, model.dtype)
-              for i in range(num_shards)]
-    return AttentionService(model, shards, make_transport("grpc", [a for _, a in servers])), shards
+    engine = qfirst_engine(model, make_transport("grpc", [a for _, a in servers]),
+                           num_shards=num_shards, block_size=4, num_blocks=64)
+    return engine, engine.runner.shards
 
 
 def generate_stopping_after_prefill(service, stop) -> list[list[int]]:
@@ -34,9 +33,9 @@ def generate_stopping_after_prefill(service, stop) -> list[list[int]]:
         service.add_request(p, PARAMS)
     service.step()
     stop()
-    while service.running():
+    while service.has_unfinished():
         service.step()
-    return [service.requests[i].output_ids for i in sorted(service.requests)]
+    return [service.seqs[i].output_ids for i in sorted(service.seqs)]
 
 
 @pytest.fixture
@@ -65,7 +64,8 @@ def test_grpc_pool_matches_exact_engine(family, num_shards, replicas, tiny_check
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
         assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
-    assert all(s.blocks.num_free == s.blocks.num_blocks for s in shards)
+    service.blocks.check()
+    assert service.blocks.num_free == service.blocks.num_blocks
 
 
 def test_killed_pool_replica_is_retried(tiny_checkpoint, pool_servers):
@@ -75,7 +75,7 @@ def test_killed_pool_replica_is_retried(tiny_checkpoint, pool_servers):
     servers = pool_servers(model, 2)
     service, _ = service_over_grpc(model, servers)
     got = generate_stopping_after_prefill(service, lambda: servers[0][0].stop(0))
-    assert got == ref and service.pool.retries > 0
+    assert got == ref and service.runner.pool.retries > 0
 
 
 def test_seeded_sampling_over_grpc_matches_local(tiny_checkpoint, pool_servers):
@@ -85,8 +85,8 @@ def test_seeded_sampling_over_grpc_matches_local(tiny_checkpoint, pool_servers):
     model = load_model(path)
     params = GenerationParams(max_tokens=8, ignore_eos=True,
                               sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=4))
-    local = AttentionService(model, [KVShard(model.config, 0, 1, 64, 4, model.dtype)],
-                             make_transport("local", [MLPPool(model)]))
+    local = qfirst_engine(model, make_transport("local", [MLPPool(model)]), block_size=4,
+                          num_blocks=64)
     want = [r.output_ids for r in local.generate(prompts(), params)]
     service, _ = service_over_grpc(model, pool_servers(model, 1), num_shards=1)
     assert [r.output_ids for r in service.generate(prompts(), params)] == want
@@ -101,9 +101,8 @@ def test_qfirst_wiring_over_grpc_overlaps_and_matches(tiny_checkpoint, pool_serv
     model = load_model(qfirst_copy(path, tmp_path / "qfirst"))
     ref = LLMEngine(model).generate(prompts(), PARAMS)
     servers = pool_servers(model, 1)
-    shards = [KVShard(model.config, i, 2, 64, 4, model.dtype) for i in range(2)]
-    service = AttentionService(model, shards, make_transport("grpc", [servers[0][1]]),
-                               wiring="qfirst")
+    service = qfirst_engine(model, make_transport("grpc", [servers[0][1]]), num_shards=2,
+                            block_size=4, num_blocks=64, wiring="qfirst")
     got = service.generate(prompts(), PARAMS)
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids

@@ -14,13 +14,13 @@ from safetensors.torch import load_file
 
 from models import load_model
 from models.loader import read_state_dict
-from models.zoo.convert_qfirst import (RESULT_FILE, ConversionError, ConvertConfig, HeldOut,
-                                       convert_qfirst, lm_loss, rewire)
-from models.zoo.hybrid_init import train_logits
-from services.attention.service import AttentionService
+from services.attention.runner import qfirst_engine
 from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
+from tools.zoo.convert_qfirst import (RESULT_FILE, ConversionError, ConvertConfig, HeldOut,
+                                      convert_qfirst, lm_loss, rewire)
+from tools.zoo.hybrid_init import train_logits
 
 
 def copy_task(n: int, half: int, seed: int) -> torch.Tensor:
@@ -101,7 +101,7 @@ def test_converted_checkpoint_serves_qfirst_only(converted):
     assert seq.output_ids == ref                                    # greedy, q-first forward
     pool = make_transport("local", [MLPPool(model)])
     with pytest.raises(ValueError, match="trained for 'qfirst'"):
-        AttentionService(model, [], pool, wiring="standard")
+        qfirst_engine(model, pool, wiring="standard")
 
 
 def test_refuses_an_already_converted_checkpoint(converted, tmp_path):

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from models import load_model
-from services.attention.service import AttentionService
-from services.attention.shard import KVShard
+from services.attention.runner import qfirst_engine
 from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
@@ -62,17 +61,19 @@ def test_engine_and_disaggregated_match_qfirst_forward(models):
     for seq in ref:                                   # the engine against the full forward
         full = qfirst.forward(torch.tensor([seq.tokens[:-1]]))[0][len(seq.prompt_ids) - 1:]
         assert (torch.stack(seq.logits) - full).abs().max().item() <= 1e-4
-    shards = [KVShard(qfirst.config, i, 2, 64, 4, qfirst.dtype) for i in range(2)]
-    service = AttentionService(qfirst, shards, make_transport("local", [MLPPool(qfirst)]),
-                               wiring="qfirst")
-    got = service.generate(prompts, PARAMS)
-    for r, s in zip(got, ref):
-        assert r.output_ids == s.output_ids
-        assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
+    # one step of whole prompts, then chunks of 8 beside decode rows (the early sweep of
+    # the decode rows and the prefill rows' causal sweep in the same layer)
+    for config in ({}, {"max_prefill_chunk": 8, "max_num_batched_tokens": 12}):
+        service = qfirst_engine(qfirst, make_transport("local", [MLPPool(qfirst)]),
+                                num_shards=2, block_size=4, num_blocks=64, wiring="qfirst",
+                                **config)
+        got = service.generate(prompts, PARAMS)
+        for r, s in zip(got, ref):
+            assert r.output_ids == s.output_ids
+            assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
 
 
 def test_service_refuses_standard_wiring_for_a_qfirst_checkpoint(models):
     _, qfirst = models
     with pytest.raises(ValueError, match="trained for 'qfirst'"):
-        AttentionService(qfirst, [], make_transport("local", [MLPPool(qfirst)]),
-                         wiring="standard")
+        qfirst_engine(qfirst, make_transport("local", [MLPPool(qfirst)]), wiring="standard")
