@@ -42,7 +42,7 @@ from models.random_checkpoint import load_configs, save_random_checkpoint  # noq
 from services.common.allocator import keep_freed_memory  # noqa: E402
 from services.common.denormals import flush_denormals  # noqa: E402
 from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
-from services.prefill.ridgefill import FillSettings  # noqa: E402
+from services.prefill.settings import FillSettings  # noqa: E402
 from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
 
 

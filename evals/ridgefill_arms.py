@@ -26,10 +26,14 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
+from services.prefill.capture import exact_pass
 from services.prefill.fill_layers import FillLayers, parse_fill_dtype
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, load_unigram
-from services.prefill.ridgefill import FillSettings, PrefillResult, RidgeFill
+from services.prefill.ridgefill import PrefillResult, RidgeFill
+from services.prefill.settings import FillSettings
+
+SPLICES = ("k", "v", "kv")
 
 
 def map_cost_ratio(model: CausalLM, context_rows: int = 0, split: int | None = None) -> float:
@@ -56,6 +60,39 @@ def map_cost_ratio(model: CausalLM, context_rows: int = 0, split: int | None = N
             exact.append(d * (2 * qd + 2 * kvd) + ffn)
     upper = fill[split or 0:]
     return (sum(upper) / len(upper)) / (sum(exact) / len(exact))
+
+
+class SplicedFill(RidgeFill):
+    """The splice diagnostic: RidgeFill with the exact model's keys (`splice="k"`), values
+    ("v") or both ("kv") written over the filled rows' (after any rescale), in both of the
+    probe's sweeps too. Shows which of the two carries the fill's error."""
+
+    def __init__(self, *args, splice: str, **kwargs):
+        if splice not in SPLICES:
+            raise ValueError(f"splice must be one of {SPLICES}, got {splice!r}")
+        super().__init__(*args, **kwargs)
+        self.splice = splice
+        self._exact_kv: dict | None = None       # {l: (k, v)} of the prompt being filled
+
+    @torch.inference_mode()
+    def prefill(self, ids, s: FillSettings, n_logits: int = 1, **kwargs) -> PrefillResult:
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.model.device)
+        self.check(s, ids.shape[0])
+        if s.enabled(self.L, ids.shape[0]):
+            self._exact_kv = exact_pass(self.model, ids, keep_inputs=False, keep_kv=True)[1]
+        try:
+            return super().prefill(ids, s, n_logits, **kwargs)
+        finally:
+            self._exact_kv = None
+
+    def _filled_kv(self, s, l, x_split, feats_f, a, exact, filled, tail_rows, memo):
+        kf, vf = super()._filled_kv(s, l, x_split, feats_f, a, exact, filled, tail_rows, memo)
+        k_exact, v_exact = self._exact_kv[l]
+        if "k" in self.splice:
+            kf = k_exact[filled]
+        if "v" in self.splice:
+            vf = v_exact[filled]
+        return kf, vf
 
 
 @torch.inference_mode()
@@ -120,6 +157,7 @@ class FillArm(Arm):
         # of the maps at hand
         self.longtail_ratio = (map_cost_ratio(model, context, split)
                                if settings.pop("longtail", False) else None)
+        splice = settings.pop("splice", "")
         self.settings = FillSettings(**settings)
         needs_maps = self.settings.fill == "ridge" or self.settings.terminal_correction
         if maps_dir is None and (needs_maps or self.settings.selector == "protected"):
@@ -130,8 +168,9 @@ class FillArm(Arm):
         unigram = token_class = None
         if self.settings.selector == "protected":
             unigram, token_class = load_unigram(maps_dir, model)
-        self.fill = RidgeFill(model, maps, unigram, token_class, lexicon=lexicon,
-                              fill_layers=layers)
+        kwargs = {"lexicon": lexicon, "fill_layers": layers}
+        self.fill = (SplicedFill(model, maps, unigram, token_class, splice=splice, **kwargs)
+                     if splice else RidgeFill(model, maps, unigram, token_class, **kwargs))
 
     def _settings(self, n: int) -> FillSettings:
         s = self.settings

@@ -425,7 +425,8 @@ def calibrate_terminal(model: CausalLM, maps_dir: str | Path, split: int, token_
     """Terminal-state offsets ΔM_l (hybrids): the mean of (exact − filled) GDN state at the
     prefix end over `token_docs` (prompts kept apart from map fitting and evaluation).
     Stored in the split's maps file; returns how many prompts were used."""
-    from services.prefill.ridgefill import FillSettings, RidgeFill
+    from services.prefill.ridgefill import RidgeFill
+    from services.prefill.settings import FillSettings
 
     upper_gdn = [l for l in model.config.linear_attention_layers if l > split]
     if not upper_gdn:

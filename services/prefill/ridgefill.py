@@ -13,11 +13,11 @@
 
 With the fill disabled (S = L or T ≥ N) every row runs every layer through the same calls,
 in the same order, as the exact engine's single-chunk prefill, so the KV, GDN states and
-logits are bitwise identical (tests/unit/test_ridgefill.py).
+logits are bitwise identical (tests/unit/test_ridgefill.py). The settings are in
+settings.py, the selectors of exact prefix rows in selectors.py.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,111 +29,8 @@ from models.model import CausalLM
 from services.prefill.fill_layers import FillLayers
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, context_features
-
-FILLS = ("ridge", "identity", "none")
-SELECTORS = ("none", "attention", "question-blind", "protected", "probe", "random")
-SPLICES = ("", "k", "v", "kv")
-
-
-class FillError(ValueError):
-    """Settings the prefill refuses before doing any work."""
-
-
-@dataclass(frozen=True)
-class FillSettings:
-    split: int                   # S; S = L disables the fill
-    tail: int                    # T exact trailing rows; T ≥ N disables the fill
-    fill: str = "ridge"          # ridge | identity (POP) | none
-    selector: str = "none"
-    budget: float = 0.1          # share of prefix rows the selector computes exactly
-    value_rescale: int = 0       # c: tail rows measuring the per-KV-head value scale (0: off)
-    key_rescale: int | bool = 0  # c: tail rows measuring a per-KV-head key scale (0: off);
-                                 # True: the value_rescale rows (keys and values both)
-    terminal_correction: bool = False
-    seed: int = 0                # the random selector's seed
-    splice: str = ""             # diagnostic: swap exact keys ("k"), values ("v") or both in
-    sink_rows: int = 0           # first rows always exact, outside the budget (attention sinks;
-                                 # a ridge fill also keeps those its maps were fitted without)
-    query_rows: int = 64         # attention / question-blind selectors' query rows
-    probe_rows: int = 256        # probe selector's rows
-    lexical: float = 0.05        # probe: share of prefix rows reserved within the budget for
-                                 # the lexical net's sentences (seed 000's 27B probe: 5%)
-
-    def validate(self, num_layers: int) -> None:
-        """Every field's type and range (request fields arrive as JSON: a string, null or
-        boolean where a number belongs is refused here, not met later as a TypeError)."""
-        if not _is_int(self.split) or not 1 <= self.split <= num_layers:
-            raise FillError(f"split must be an integer in 1..{num_layers - 1} (or {num_layers} "
-                            f"to disable the fill), got {self.split!r}")
-        _check_int("tail", self.tail, 0)
-        if not isinstance(self.fill, str) or self.fill not in FILLS:
-            raise FillError(f"fill must be one of {FILLS}, got {self.fill!r}")
-        if not isinstance(self.selector, str) or self.selector not in SELECTORS:
-            raise FillError(f"selector must be one of {SELECTORS}, got {self.selector!r}")
-        if not _is_share(self.budget):
-            raise FillError(f"selector budget is a share of prefix rows in [0, 1], "
-                            f"got {self.budget!r}")
-        _check_int("value_rescale", self.value_rescale, 0)
-        if self.key_rescale is True and not self.value_rescale:
-            raise FillError("key_rescale = true uses the value_rescale rows: set value_rescale "
-                            "= c > 0, or give key_rescale its own row count")
-        if not isinstance(self.key_rescale, bool) and not (
-                _is_int(self.key_rescale) and self.key_rescale >= 0):
-            raise FillError(f"key_rescale must be an integer ≥ 0 or true, "
-                            f"got {self.key_rescale!r}")
-        if not isinstance(self.terminal_correction, bool):
-            raise FillError(f"terminal_correction must be true or false, "
-                            f"got {self.terminal_correction!r}")
-        _check_int("seed", self.seed, None)
-        if not isinstance(self.splice, str) or self.splice not in SPLICES:
-            raise FillError(f"splice must be one of {SPLICES}, got {self.splice!r}")
-        _check_int("sink_rows", self.sink_rows, 0)
-        _check_int("query_rows", self.query_rows, 1)
-        _check_int("probe_rows", self.probe_rows, 1)
-        if not _is_share(self.lexical):
-            raise FillError(f"lexical is a share of prefix rows in [0, 1], got {self.lexical!r}")
-
-    @property
-    def key_rescale_rows(self) -> int:
-        """c of the key magnitude rescale (0: off)."""
-        return self.value_rescale if self.key_rescale is True else int(self.key_rescale)
-
-    def enabled(self, num_layers: int, n: int) -> bool:
-        return self.split < num_layers and self.tail < n
-
-    def prefix_end(self, n: int) -> int:
-        """P: rows < P may be filled (the tail keeps at least the last row exact)."""
-        return n - max(1, self.tail)
-
-    def budget_rows(self, p: int) -> int:
-        """How many of the P prefix rows the selector computes exactly."""
-        return int(round(self.budget * p)) if self.selector != "none" else 0
-
-    def compute_share(self, num_layers: int, n: int) -> float:
-        """r = S/L + (1 − S/L)·E/N: the share of exact prefill's layer passes still run, with
-        E the rows that run every layer: the tail T, plus a selector's budget of the prefix
-        (`protected` may pick fewer). Layer passes only: maps, filled rows' GDN state
-        updates and the probe's sweep are not counted."""
-        if not self.enabled(num_layers, n):
-            return 1.0
-        s = self.split / num_layers
-        p = self.prefix_end(n)
-        return s + (1 - s) * (n - p + self.budget_rows(p)) / n
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_share(v) -> bool:
-    """A number in [0, 1] (NaN fails the comparison)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v <= 1.0
-
-
-def _check_int(name: str, v, low: int | None) -> None:
-    if not _is_int(v) or (low is not None and v < low):
-        bound = "an integer" if low is None else f"an integer ≥ {low}"
-        raise FillError(f"{name} must be {bound}, got {v!r}")
+from services.prefill.selectors import AttentionScorer, FillMemo, memo_get, select_rows
+from services.prefill.settings import FillError, FillSettings
 
 
 @dataclass
@@ -205,11 +102,9 @@ class RidgeFill:
     # ---- the prefill -----------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: list[int] | torch.Tensor, s: FillSettings, n_logits: int = 1, *,
-                exact_kv: dict | None = None, record_state_at: int | None = None
-                ) -> PrefillResult:
+                record_state_at: int | None = None) -> PrefillResult:
         """ids [N] -> PrefillResult of the last `n_logits` rows (at most T when filling).
 
-        `exact_kv` {l: (k, v)} feeds the splice diagnostic (computed here if not given);
         `record_state_at` keeps each GDN layer's state after that many rows (calibrating
         the terminal-state correction).
         """
@@ -224,13 +119,10 @@ class RidgeFill:
         p = s.prefix_end(n) if enabled else n       # rows < p may be filled
         if record_state_at is not None and enabled and record_state_at != p:
             raise FillError("a filled prefill records GDN states at its prefix end only")
-        if enabled and s.splice and exact_kv is None:
-            from services.prefill.capture import exact_pass
-            exact_kv = exact_pass(m, ids, keep_inputs=False, keep_kv=True)[1]
         n_logits = min(n_logits, n - p) if enabled else min(n_logits, n)
         positions = torch.arange(n, device=m.device)
         res = PrefillResult({}, {}, {})
-        scorer = _Scorer(self, s, n, p) if enabled and s.selector in (
+        scorer = AttentionScorer(m.config, s, n, p) if enabled and s.selector in (
             "attention", "question-blind") else None
         # 1. lower layers, every row
         x, h = m.embed(ids), None
@@ -241,8 +133,8 @@ class RidgeFill:
             res.exact_rows = positions
             return res
         # 2. pick the exact prefix rows
-        memo = _FillMemo() if s.selector == "probe" and self.reuse_probe_fills else None
-        selected = self._select(s, ids, p, scorer, x, positions, res, exact_kv, memo)
+        memo = FillMemo() if s.selector == "probe" and self.reuse_probe_fills else None
+        selected = select_rows(self, s, ids, p, scorer, x, positions, memo)
         sink = s.sink_rows
         if s.fill == "ridge" and self.maps is not None:
             sink = max(sink, self.maps.sink_rows)     # rows the maps were never fitted on
@@ -254,7 +146,7 @@ class RidgeFill:
         filled = positions[:p][keep]
         # 3. upper layers: exact rows run, filled rows get their KV / GDN update from x̂_l
         xe, he = x[exact], (h[exact] if h is not None else None)
-        xe, _ = self._upper(s, x, xe, he, exact, filled, p, res, exact_kv,
+        xe, _ = self._upper(s, x, xe, he, exact, filled, p, res,
                             record_state_at=record_state_at, memo=memo)
         res.logits = m.final(xe[-n_logits:]).float()
         res.exact_rows, res.num_filled = exact, int(filled.numel())
@@ -323,16 +215,23 @@ class RidgeFill:
         a, b = self.maps.get(l)
         return torch.addmm(b, feats.to(a.dtype), a.T)
 
-    def _upper(self, s, x_split, xe, he, exact, filled, p, res, exact_kv, *,
+    def sweep(self, s: FillSettings, x_split: torch.Tensor, rows: torch.Tensor,
+              filled: torch.Tensor, p: int, collect, memo: FillMemo | None = None) -> None:
+        """The probe's sweep: `rows` run the upper layers exactly over the `filled` rows
+        (GDN from an empty state), each attention layer's (l, q, k, mask) going to
+        `collect`; the cache it builds is dropped."""
+        self._upper(s, x_split, x_split[rows], None, rows, filled, p, PrefillResult({}, {}, {}),
+                    collect=collect, memo=memo)
+
+    def _upper(self, s, x_split, xe, he, exact, filled, p, res, *,
                record_state_at=None, collect=None, memo=None):
         """Layers S..L−1. Returns (x of the exact rows after the last layer, h). `memo`: a
-        `_FillMemo` that the probe's sweep records and the second sweep reads."""
+        `FillMemo` that the probe's sweep records and the second sweep reads."""
         m = self.model
         n = x_split.shape[0]
         pos_e = exact
         feats_f = self._features(s, x_split, filled)
-        tail_rows = exact[exact >= p]
-        nv, nk = s.value_rescale, s.key_rescale_rows
+        tail_rows = exact[exact >= p]                 # the rescale's measuring rows
         q_pos = pos_e[:, None]
         causal = torch.arange(n, device=xe.device)[None, :] <= q_pos          # [E, N]
         for l in range(s.split, self.L):
@@ -347,23 +246,8 @@ class RidgeFill:
                         k[filled], v[filled] = 0, 0
                         valid[filled] = False
                     else:
-                        kf, vf = _memo_get(memo, l, filled, lambda: self.fill_layers.key_value(
-                            l, self._fill_input(s, l, feats_f), filled))
-                        if l > s.split and (nv or nk) and tail_rows.numel():
-                            # per-KV-head magnitude ratios exact / predicted on the first
-                            # c tail rows, once per distinct c: {c: (key scale, value scale)}
-                            scales = {c: self._norm_scales(s, l, x_split, a.k, a.v, exact,
-                                                           tail_rows[:c])
-                                      for c in {nv, nk} - {0}}
-                            if nv:
-                                vf = vf * scales[nv][1][None, :, None]
-                            if nk:
-                                kf = kf * scales[nk][0][None, :, None]
-                        if exact_kv is not None and "k" in s.splice:
-                            kf = exact_kv[l][0][filled]
-                        if exact_kv is not None and "v" in s.splice:
-                            vf = exact_kv[l][1][filled]
-                        k[filled], v[filled] = kf, vf
+                        k[filled], v[filled] = self._filled_kv(s, l, x_split, feats_f, a, exact,
+                                                               filled, tail_rows, memo)
                 res.k[l], res.v[l], res.valid[l] = k, v, valid
                 mask = causal & valid[None, :]
                 if collect is not None:
@@ -375,6 +259,25 @@ class RidgeFill:
                                      memo)
             xe = m.mlp(l, he)
         return xe, he
+
+    def _filled_kv(self, s, l, x_split, feats_f, a, exact, filled, tail_rows, memo):
+        """Attention layer l's K/V of the `filled` rows ([F, KV, D] each) from x̂_l, with the
+        key / value magnitude rescale when asked, measured on the exact `tail_rows` (`a`:
+        the exact rows' attention inputs). The splice diagnostic (evals/ridgefill_arms.py)
+        overrides it."""
+        kf, vf = memo_get(memo, l, filled, lambda: self.fill_layers.key_value(
+            l, self._fill_input(s, l, feats_f), filled))
+        nv, nk = s.value_rescale, s.key_rescale_rows
+        if l > s.split and (nv or nk) and tail_rows.numel():
+            # per-KV-head magnitude ratios exact / predicted on the first c tail rows, once
+            # per distinct c: {c: (key scale, value scale)}
+            scales = {c: self._norm_scales(s, l, x_split, a.k, a.v, exact, tail_rows[:c])
+                      for c in {nv, nk} - {0}}
+            if nv:
+                vf = vf * scales[nv][1][None, :, None]
+            if nk:
+                kf = kf * scales[nk][0][None, :, None]
+        return kf, vf
 
     def _attend(self, q, k, v, mask, pos, group: int = 256):
         """Exact rows (q [E, H, D], at positions `pos`, ascending) over the layer's cache
@@ -401,7 +304,7 @@ class RidgeFill:
         dest[order] = torch.arange(order.numel(), device=order.device)
         # the delta rule needs no output gate: the sequence carries none (z = None)
         if use_filled:
-            inp_f = _memo_get(memo, l, filled, lambda: self.fill_layers.gdn_inputs(
+            inp_f = memo_get(memo, l, filled, lambda: self.fill_layers.gdn_inputs(
                 l, self._fill_input(s, l, feats_f)))
             seq = GDNInputs(*(None if te is None else _interleave(te, tf, exact, filled, dest)
                               for te, tf in zip((inp_e.mixed, None, inp_e.b, inp_e.a),
@@ -441,131 +344,6 @@ class RidgeFill:
 
         return ratio(k_exact_rows[idx], k_pred), ratio(v_exact_rows[idx], v_pred)
 
-    # ---- selectors -------------------------------------------------------------------
-    def _select(self, s, ids, p, scorer, x_split, positions, res, exact_kv, memo=None
-                ) -> torch.Tensor:
-        budget = s.budget_rows(p)
-        dev = ids.device
-        empty = torch.zeros(0, dtype=torch.long, device=dev)
-        if s.selector == "none" or budget == 0 or p == 0:
-            return empty
-        if s.selector == "random":
-            g = torch.Generator().manual_seed(s.seed)
-            return torch.randperm(p, generator=g)[:budget].sort().values.to(dev)
-        if s.selector in ("attention", "question-blind"):
-            scores = scorer.scores[:p]
-        elif s.selector == "protected":
-            return self._protected(ids[:p], budget)
-        else:                                                       # probe (two sweeps)
-            scores = self._probe(s, x_split, positions, p, exact_kv, memo)
-            if s.lexical > 0:         # `check` made sure there is a lexicon
-                return self._lexical(s, ids, p, budget, scores)
-        return torch.topk(scores, min(budget, p)).indices.sort().values
-
-    def _lexical(self, s, ids, p, budget, scores) -> torch.Tensor:
-        """The probe's rows with its lexical net (seed 000): the nominated sentences' rows
-        first, up to `lexical`·P of the budget, the rest of the budget by the probe's
-        attention; the prefix's special tokens on top, outside the budget."""
-        ids_list = ids.tolist()
-        lex = self.lexicon.net(ids_list, p, min(budget, int(round(s.lexical * p))))
-        special = self.lexicon.special_rows(ids_list, p)
-        lex_rows = torch.tensor(lex, dtype=torch.long, device=scores.device)
-        ranked = scores.clone()
-        ranked[lex_rows] = float("-inf")
-        rest = torch.topk(ranked, min(budget, p) - lex_rows.numel()).indices
-        extra = torch.tensor(special, dtype=torch.long, device=scores.device)
-        return torch.unique(torch.cat([lex_rows, rest, extra]))
-
-    def _protected(self, prefix_ids: torch.Tensor, budget: int) -> torch.Tensor:
-        """The rarest 25% of each token class (add-one calibration frequency), capped at
-        the budget by rarity."""
-        freq = (self.unigram.to(prefix_ids.device)[prefix_ids] + 1.0)
-        cls = self.token_class.to(prefix_ids.device)[prefix_ids]
-        chosen = []
-        for c in range(1, int(self.token_class.max()) + 1):
-            rows = (cls == c).nonzero()[:, 0]
-            if rows.numel():
-                k = max(1, math.ceil(0.25 * rows.numel()))
-                chosen.append(rows[torch.topk(-freq[rows], k).indices])
-        if not chosen:
-            return torch.zeros(0, dtype=torch.long, device=prefix_ids.device)
-        rows = torch.cat(chosen)
-        if rows.numel() > budget:
-            rows = rows[torch.topk(-freq[rows], budget).indices]
-        return rows.sort().values
-
-    def _probe(self, s, x_split, positions, p, exact_kv, memo=None) -> torch.Tensor:
-        """Sweep 1: the last `probe_rows` rows run the exact upper layers over the fully
-        filled prefix (GDN from an empty state); rank prefix rows by the attention they
-        receive. With `memo`, the filled rows' K/V and GDN inputs are kept for sweep 2."""
-        n = x_split.shape[0]
-        rows = positions[max(0, n - s.probe_rows):]
-        # every row before the probe's is filled in this sweep, tail rows included (with
-        # fewer probe rows than tail rows, rows p..n−probe_rows are neither prefix nor probe)
-        before = positions[:int(rows[0])]
-        scores = torch.zeros(n, device=x_split.device)
-
-        def collect(l, q, k, mask):
-            scores.add_(_attention_received(q, k, mask))
-
-        scratch = PrefillResult({}, {}, {})
-        self._upper(s, x_split, x_split[rows], None, rows, before, p, scratch, exact_kv,
-                    collect=collect, memo=memo)
-        if memo is not None:
-            memo.recording = False
-        return scores[:p]
-
-
-class _FillMemo:
-    """The probe sweep's filled-row projections per upper layer: K/V for attention layers,
-    GDN inputs for Gated DeltaNet layers, of rows 0..r−1 (the probe fills every prefix row
-    before its own). Both sweeps fill from the same x_S, so the second sweep takes its
-    filled rows (a subset, when all lie below r) from here instead of recomputing the
-    map and projections."""
-
-    def __init__(self):
-        self.layers: dict[int, tuple] = {}
-        self.recording = True
-
-
-def _memo_get(memo: _FillMemo | None, l: int, filled: torch.Tensor, compute):
-    """compute() -> a tuple of [len(filled), ...] tensors (or None entries) for the sorted
-    `filled` rows; recorded while the probe runs, then indexed where it covers them."""
-    if memo is None:
-        return compute()
-    if memo.recording:
-        memo.layers[l] = out = compute()
-        return out
-    hit = memo.layers.get(l)
-    if hit is None or (filled.numel() and int(filled[-1]) >= hit[0].shape[0]):
-        return compute()
-    rows = [None if t is None else t[filled] for t in hit]
-    return type(hit)(*rows) if isinstance(hit, GDNInputs) else tuple(rows)
-
-
-class _Scorer:
-    """Attention the selector's query rows give every key at sub-split attention layers
-    (layers l with (l+1) % 4 == 0, else every attention layer below the split)."""
-
-    def __init__(self, fill: RidgeFill, s: FillSettings, n: int, p: int):
-        cfg = fill.model.config
-        fa = [l for l in cfg.full_attention_layers if l < s.split]
-        self.layers = set([l for l in fa if (l + 1) % 4 == 0] or fa)
-        if s.selector == "attention":
-            lo = max(0, n - s.query_rows)
-        else:                       # question-blind: the rows just before the tail
-            lo = max(0, p - s.query_rows)
-        self.rows = torch.arange(lo, n if s.selector == "attention" else p)
-        self.scores = torch.zeros(n)
-
-    def add(self, l, q, k):
-        if l not in self.layers or not self.rows.numel():
-            return
-        n = k.shape[0]
-        rows = self.rows.to(q.device)
-        mask = torch.arange(n, device=q.device)[None, :] <= rows[:, None]
-        self.scores = self.scores.to(q.device) + _attention_received(q[rows], k, mask)
-
 
 def _interleave(te: torch.Tensor, tf: torch.Tensor, exact: torch.Tensor, filled: torch.Tensor,
                 dest: torch.Tensor) -> torch.Tensor:
@@ -579,14 +357,4 @@ def _interleave(te: torch.Tensor, tf: torch.Tensor, exact: torch.Tensor, filled:
     return out
 
 
-def _attention_received(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [Q, H, D], k [N, KV, D], mask [Q, N] -> [N]: softmax attention summed over heads
-    and queries."""
-    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
-    qf = q.float().view(q.shape[0], kvh, h // kvh, d)
-    sc = torch.einsum("qkgd,nkd->kgqn", qf, k.float()) * d ** -0.5
-    sc = sc.masked_fill(~mask[None, None], float("-inf"))
-    return torch.softmax(sc, dim=-1).nan_to_num(0.0).sum(dim=(0, 1, 2))
-
-
-__all__ = ["FillError", "FillSettings", "PrefillResult", "RidgeFill", "FILLS", "SELECTORS"]
+__all__ = ["PrefillResult", "RidgeFill"]

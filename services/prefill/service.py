@@ -18,7 +18,8 @@ from models.model import CausalLM
 from services.prefill.fill_layers import FILL_DTYPES, FillLayers, parse_fill_dtype
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import MapsError, RidgeMaps, load_unigram
-from services.prefill.ridgefill import FillError, FillSettings, PrefillResult, RidgeFill
+from services.prefill.ridgefill import PrefillResult, RidgeFill
+from services.prefill.settings import FillError, FillSettings
 
 PREFILL_MODES = ("exact", "ridgefill")
 OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "key_rescale",

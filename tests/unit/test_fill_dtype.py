@@ -11,8 +11,9 @@ from models.config import FULL_ATTENTION
 from services.prefill.fill_layers import (FILLED_ATTN_MODULES, FILLED_GDN_MODULES, FillLayers,
                                            parse_fill_dtype)
 from services.prefill.maps import RidgeMaps
-from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
+from services.prefill.ridgefill import RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
+from services.prefill.settings import FillError, FillSettings
 
 
 def _ids(n: int) -> list[int]:

@@ -10,7 +10,8 @@ from kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_ru
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.maps import RidgeMaps
-from services.prefill.ridgefill import FillSettings, RidgeFill
+from services.prefill.ridgefill import RidgeFill
+from services.prefill.settings import FillSettings
 from tests.unit.test_ridgefill import FAMILIES, prompt
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from services.prefill.lexicon import Lexicon
-from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
+from services.prefill.ridgefill import RidgeFill
+from services.prefill.settings import FillError, FillSettings
 
 # a byte-level-BPE-like vocabulary: "Ġ" marks a word start, "Ċ" a line break
 PIECES = ["<|endoftext|>", "<|im_start|>", ".", "?", ":", "Ċ", "Ġ1234", "567",

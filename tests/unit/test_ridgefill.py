@@ -7,14 +7,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from evals.ridgefill_arms import greedy_from_prefill, map_cost_ratio
+from evals.ridgefill_arms import SplicedFill, greedy_from_prefill, map_cost_ratio
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.capture import exact_pass
 from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, calibrate,
                                    calibrate_terminal, context_features, heldout_error, resolve,
                                    solve)
-from services.prefill.ridgefill import FillError, FillSettings, RidgeFill
+from services.prefill.ridgefill import RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
+from services.prefill.settings import FillError, FillSettings
 
 FAMILIES = ["qwen3", "llama3", "qwen3_next", "qwen3_5"]
 
@@ -81,10 +82,11 @@ def test_last_layer_split_fills_exactly(four_layer, family):
 def test_splice_of_exact_keys_and_values_restores_a_dense_model(four_layer):
     model, maps_dir = four_layer("qwen3")
     ids = prompt(100, seed=3)
-    rf = RidgeFill(model, RidgeMaps(maps_dir, model, 1))
+    maps = RidgeMaps(maps_dir, model, 1)
     exact = model.forward(torch.tensor([ids]), last_n=4)[0]
-    filled = rf.prefill(ids, FillSettings(split=1, tail=12), n_logits=4).logits
-    spliced = rf.prefill(ids, FillSettings(split=1, tail=12, splice="kv"), n_logits=4).logits
+    s = FillSettings(split=1, tail=12)
+    filled = RidgeFill(model, maps).prefill(ids, s, n_logits=4).logits
+    spliced = SplicedFill(model, maps, splice="kv").prefill(ids, s, n_logits=4).logits
     assert (filled - exact).abs().max() > 1e-2          # the fill really changes the output
     torch.testing.assert_close(spliced, exact, atol=1e-4, rtol=0)
 

@@ -306,7 +306,7 @@ def test_no_blocks_or_pins_leak_after_hits_aborts_and_failures(checkpoint, monke
 
 
 def test_ridgefill_prompts_bypass_the_cache(checkpoint):
-    from services.prefill.ridgefill import FillSettings
+    from services.prefill.settings import FillSettings
     from services.prefill.service import PrefillService
 
     model = checkpoint("qwen3")
