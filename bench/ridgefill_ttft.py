@@ -39,8 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
-from services.common.allocator import keep_freed_memory  # noqa: E402
-from services.common.denormals import flush_denormals  # noqa: E402
+from services.common.process import flush_denormals, keep_freed_memory  # noqa: E402
 from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
 from services.prefill.settings import FillSettings  # noqa: E402
 from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
@@ -140,10 +139,10 @@ def main() -> int:
                          "fill arm, alternated with exact in the same reps")
     ap.add_argument("--malloc-default", action="store_true",
                     help="leave glibc malloc as it is (the serving processes keep freed memory, "
-                         "services/common/allocator.py)")
+                         "services/common/process.py)")
     ap.add_argument("--keep-denormals", action="store_true",
                     help="compute with subnormal floats (the serving processes flush them to "
-                         "zero, services/common/denormals.py)")
+                         "zero, services/common/process.py)")
     args = ap.parse_args()
     flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
-from services.common.denormals import flush_denormals  # noqa: E402
+from services.common.process import flush_denormals  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 from services.prefix_cache import (PrefixCache, PrefixCacheConfig,  # noqa: E402
                                    PrefixCacheMetrics)
@@ -89,7 +89,7 @@ def main() -> None:
                         "overlaps the replay on a side stream when overlap is on)")
     parser.add_argument("--keep-denormals", action="store_true",
                         help="compute with subnormal floats (the serving processes flush them "
-                             "to zero, services/common/denormals.py)")
+                             "to zero, services/common/process.py)")
     args = parser.parse_args()
     flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)

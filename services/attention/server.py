@@ -14,15 +14,14 @@ from concurrent import futures
 import grpc
 from prometheus_client import generate_latest
 
-from kernels.sampling import SamplingError, SamplingParams, TokenLogprob
+from kernels.sampling import SamplingError
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.sampling_codec import processing_fields, processing_from
-from services.common.step_driver import QueueDriver
-from services.engine import GenerationParams, LLMEngine, RequestError, StepOutput
+from services.common.codec import asks_for_prefill, params_from_proto, prompt_logprob_fields
+from services.engine.driver import QueueDriver
+from services.engine import LLMEngine, RequestError, StepOutput
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
-                                     PrefillFailed, PrefillRefused, asks_for_prefill,
-                                     options_to_proto)
+                                     PrefillFailed, PrefillRefused)
 
 log = logging.getLogger(__name__)
 
@@ -32,55 +31,6 @@ class StepLoop(QueueDriver):
 
     def __init__(self, engine: LLMEngine):
         super().__init__(engine, "attention-steps")
-
-
-def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
-    sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                              seed=req.seed if req.has_seed else None,
-                              **processing_from(req))
-    return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
-                            stop_token_ids=tuple(req.stop_token_ids),
-                            ignore_eos=req.ignore_eos,
-                            logprobs=req.logprobs if req.has_logprobs else None,
-                            min_tokens=req.min_tokens,
-                            prompt_logprobs=(req.prompt_logprobs if req.has_prompt_logprobs
-                                             else None))
-
-
-def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
-    """`params.prefill` is a `RemotePrefill` (or None) here: the gateway holds no model."""
-    s = params.sampling
-    return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
-                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                              has_seed=s.seed is not None, seed=s.seed or 0,
-                              stop_token_ids=list(params.stop_token_ids),
-                              ignore_eos=params.ignore_eos,
-                              **processing_fields(s), min_tokens=params.min_tokens,
-                              has_prompt_logprobs=params.prompt_logprobs is not None,
-                              prompt_logprobs=params.prompt_logprobs or 0,
-                              has_logprobs=params.logprobs is not None,
-                              logprobs=params.logprobs or 0,
-                              prefill=options_to_proto(params.prefill, params.replay_ratio))
-
-
-def prompt_logprob_fields(entries: list[TokenLogprob] | None) -> dict:
-    """A first token's prompt log-probs as `GenerateEvent` fields (`prompt_logprobs_from`
-    reads them back)."""
-    if entries is None:
-        return {}
-    return {"has_prompt_logprobs": True, "prompt_tokens": [e.token for e in entries],
-            "prompt_logprobs": [e.logprob for e in entries],
-            "prompt_k": len(entries[0].top) if entries else 0,
-            "prompt_top_tokens": [t for e in entries for t, _ in e.top],
-            "prompt_top_logprobs": [lp for e in entries for _, lp in e.top]}
-
-
-def prompt_logprobs_from(ev: pb.GenerateEvent) -> list[TokenLogprob] | None:
-    if not ev.has_prompt_logprobs:
-        return None
-    k, tops = ev.prompt_k, list(zip(ev.prompt_top_tokens, ev.prompt_top_logprobs))
-    return [TokenLogprob(t, lp, tops[i * k:(i + 1) * k])
-            for i, (t, lp) in enumerate(zip(ev.prompt_tokens, ev.prompt_logprobs))]
 
 
 def _refusal(exc: Exception) -> pb.GenerateEvent:

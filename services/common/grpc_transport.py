@@ -11,10 +11,9 @@ import torch
 from models.gdn import GDNInputs
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.sampling_codec import history_fields, processing_fields
-from services.common.tensor_codec import from_proto, to_proto
+from services.common.codec import from_proto, history_fields, processing_fields, to_proto
+from services.common.messages import StageOutput
 from services.common.transport import TRANSPORTS, Pending, Transport
-from services.mlp_pool.pool import StageOutput
 
 _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
             ("grpc.max_receive_message_length", 512 << 20)]

@@ -1,7 +1,9 @@
 """The types that cross a boundary: what a request asks for (`GenerationParams`), what a
-step gives back (`StepOutput`), a prompt prefilled for decode elsewhere (`PromptExport`),
-and the refusal every layer raises (`RequestError`). Every service may import this module;
-it imports nothing of ours beyond `kernels`."""
+step gives back (`StepOutput`), a prompt prefilled for decode elsewhere (`PromptExport`), a
+request's prefill fields for a prefill service elsewhere (`RemotePrefill`), what a pool
+stage call returns (`StageOutput`), and the refusal every layer raises (`RequestError`).
+Every service may import this module; it imports nothing of ours beyond `kernels` and
+`models`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import MAX_LOGPROBS, History, SamplingParams, top_logprobs
+from models.gdn import GDNInputs
 
 
 class RequestError(ValueError):
@@ -125,3 +128,19 @@ class PromptExport:
     @property
     def num_tokens(self) -> int:
         return self.kv.shape[2]
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A request's prefill fields as the client gave them, for a prefill service in another
+    process to resolve (the disaggregated deployment's gateway holds no model)."""
+    mode: str | None = None
+    overrides: object = None          # the `ridgefill` object, unchecked
+
+
+@dataclass
+class StageOutput:
+    z: torch.Tensor                      # [N, h] input of layer l
+    k: torch.Tensor | None = None        # [N, KV, D] (full-attention layer)
+    v: torch.Tensor | None = None
+    gdn: GDNInputs | None = None         # (linear-attention layer)

@@ -1,4 +1,5 @@
 """Stateless MLP pool: embeddings, feed-forwards, K/V (and GDN input) projections, LM head."""
-from services.mlp_pool.pool import MLPPool, StageOutput
+from services.common.messages import StageOutput
+from services.mlp_pool.pool import MLPPool
 
 __all__ = ["MLPPool", "StageOutput"]

@@ -22,7 +22,8 @@ import torch
 
 from models.gdn import GDNInputs
 from services.mlp_pool.metrics import PoolMetrics
-from services.mlp_pool.pool import MLPPool, StageOutput
+from services.common.messages import StageOutput
+from services.mlp_pool.pool import MLPPool
 
 
 class BatchingPool:

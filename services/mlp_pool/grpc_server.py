@@ -10,8 +10,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from kernels.sampling import SamplingParams
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.sampling_codec import history_from, processing_from
-from services.common.tensor_codec import from_proto, to_proto
+from services.common.codec import from_proto, history_from, processing_from, to_proto
 from services.mlp_pool.pool import MLPPool
 
 

@@ -14,22 +14,12 @@ requests and shards arrive batched in one call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.sampling import SamplingParams, sample, score_rows
 from models.config import FULL_ATTENTION
-from models.gdn import GDNInputs
 from models.model import CausalLM
-
-
-@dataclass
-class StageOutput:
-    z: torch.Tensor                      # [N, h] input of layer l
-    k: torch.Tensor | None = None        # [N, KV, D] (full-attention layer)
-    v: torch.Tensor | None = None
-    gdn: GDNInputs | None = None         # (linear-attention layer)
+from services.common.messages import StageOutput
 
 
 class MLPPool:

@@ -39,11 +39,11 @@ from kernels.sampling import SamplingParams
 from models.config import ModelConfig
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.step_driver import QueueDriver
-from services.common.tensor_codec import from_proto, to_proto
+from services.common.codec import from_proto, to_proto
+from services.engine.driver import QueueDriver
 from services.engine import GenerationParams, LLMEngine, PromptExport
 from services.prefill.metrics import PREFILL_BUCKETS
-from services.prefill.service import PREFILL_MODES, PrefillService, RemotePrefill
+from services.prefill.service import PREFILL_MODES, PrefillService
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
                 ("grpc.max_receive_message_length", 512 << 20)]
@@ -66,22 +66,6 @@ class PrefillCancelled(Exception):
 
 
 # ---- request fields <-> proto ------------------------------------------------------------
-def options_to_proto(prefill: RemotePrefill | None, replay_ratio: float | None) -> pb.PrefillOptions:
-    opts = pb.PrefillOptions()
-    if prefill is not None:
-        opts.mode = prefill.mode or ""
-        if prefill.overrides is not None:
-            opts.ridgefill_json = json.dumps(prefill.overrides)
-    if replay_ratio is not None:
-        opts.has_replay_ratio, opts.replay_ratio = True, replay_ratio
-    return opts
-
-
-def asks_for_prefill(opts: pb.PrefillOptions) -> bool:
-    """Whether the options need a prefill service (exact prefill without one is fine)."""
-    return opts.mode not in ("", "exact") or bool(opts.ridgefill_json)
-
-
 def prefill_params(opts: pb.PrefillOptions, num_tokens: int,
                    service: PrefillService | None) -> GenerationParams:
     """The one-token exporting request a `Prefill` call runs. Raises ValueError subclasses

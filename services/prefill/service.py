@@ -27,14 +27,6 @@ OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "
 
 
 @dataclass(frozen=True)
-class RemotePrefill:
-    """A request's prefill fields as the client gave them, for a prefill service in another
-    process to resolve (the disaggregated deployment's gateway holds no model)."""
-    mode: str | None = None
-    overrides: object = None          # the `ridgefill` object, unchecked
-
-
-@dataclass(frozen=True)
 class PrefillConfig:
     mode: str = "exact"
     maps_dir: str | None = None

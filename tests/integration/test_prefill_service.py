@@ -24,10 +24,10 @@ from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.engine.build import EngineOptions, build_engine
 from services.mlp_pool import MLPPool
+from services.common.codec import options_to_proto
+from services.common.messages import RemotePrefill
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
-                                     PrefillFailed, PrefillRefused, options_to_proto,
-                                     serve_prefill)
-from services.prefill.service import RemotePrefill
+                                     PrefillFailed, PrefillRefused, serve_prefill)
 from tests.conftest import FAMILIES
 
 PARAMS = GenerationParams(max_tokens=8, ignore_eos=True, return_logits=True)
@@ -248,7 +248,7 @@ def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
         service, prefill=PrefillClient([address], model.config, model.dtype))
     try:
         stub = pb_grpc.AttentionStub(grpc.insecure_channel(att_address))
-        from services.attention.server import params_to_proto
+        from services.common.codec import params_to_proto
 
         for p, r in zip(prompts(), ref):
             events = list(stub.Generate(params_to_proto(p, params)))

@@ -14,7 +14,7 @@ glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc mall
 
 PROBE = """
 import resource, sys, torch
-from services.common.allocator import keep_freed_memory
+from services.common.process import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 faults = 0
 for _ in range(8):      # a prefill-like round: two 48 MB inputs (above glibc's largest mmap

@@ -17,7 +17,7 @@ x86_or_arm = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "a
 
 PROBE = """
 import sys, torch
-from services.common.denormals import flush_denormals
+from services.common.process import flush_denormals
 from kernels.gated_delta import chunk_gated_delta_rule
 on = flush_denormals() if sys.argv[1] == "flush" else False
 torch.set_num_threads(2)

@@ -1,0 +1,141 @@
+"""Proto codecs, in one place: torch tensors, sampling parameters and the request tokens a
+pool's final call carries for them, a `GenerateRequest` and its events' prompt log-probs, and
+the prefill options a request carries to a prefill replica.
+
+Tensors go as dtype name, shape and raw C-contiguous bytes. The pool is stateless, so each
+final call also carries what the penalties read: a request's distinct tokens and its
+generated ones.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+from kernels.sampling import History, SamplingParams, TokenLogprob
+from services.common.messages import GenerationParams, RemotePrefill
+from services.common.pb import splitstack_pb2 as pb
+
+
+# ---- tensors -------------------------------------------------------------------------------
+_NUMPY = {"float32": np.float32, "float64": np.float64, "int64": np.int64, "int32": np.int32,
+          "bool": np.bool_, "float16": np.float16}
+
+
+def to_proto(t: torch.Tensor) -> pb.Tensor:
+    t = t.detach().cpu().contiguous()
+    name = str(t.dtype).removeprefix("torch.")
+    data = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+    return pb.Tensor(dtype=name, shape=list(t.shape), data=data)
+
+
+def from_proto(msg: pb.Tensor) -> torch.Tensor:
+    if msg.dtype == "bfloat16":
+        arr = np.frombuffer(msg.data, dtype=np.int16).reshape(tuple(msg.shape))
+        return torch.from_numpy(arr.copy()).view(torch.bfloat16)
+    if msg.dtype not in _NUMPY:
+        raise ValueError(f"unsupported tensor dtype {msg.dtype!r}")
+    arr = np.frombuffer(msg.data, dtype=_NUMPY[msg.dtype]).reshape(tuple(msg.shape))
+    return torch.from_numpy(arr.copy())
+
+
+# ---- sampling ------------------------------------------------------------------------------
+def processing_fields(p: SamplingParams) -> dict:
+    return {"presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty,
+            "bias_tokens": [t for t, _ in p.logit_bias],
+            "bias_values": [b for _, b in p.logit_bias]}
+
+
+def processing_from(msg) -> dict:
+    """Keyword arguments of `SamplingParams` (an unset repetition penalty is 1: none)."""
+    return {"presence_penalty": msg.presence_penalty,
+            "frequency_penalty": msg.frequency_penalty,
+            "repetition_penalty": msg.repetition_penalty or 1.0,
+            "logit_bias": tuple(zip(msg.bias_tokens, msg.bias_values))}
+
+
+def history_fields(p: SamplingParams, history: History | None) -> dict:
+    """What `p`'s processing reads of `history`, as the pool's message fields."""
+    if history is None:
+        return {}
+    fields = {"banned_ids": list(history.banned)}
+    if p.penalized:
+        fields["output_ids"] = list(history.output)
+        if p.repetition_penalty != 1.0:
+            fields["seen_ids"] = sorted({*history.prompt, *history.output})
+    return fields
+
+
+def history_from(msg) -> History:
+    """What a pool row's processing reads; the distinct tokens stand for the prompt, which
+    is all the repetition penalty needs of it."""
+    return History(list(msg.seen_ids), list(msg.output_ids), list(msg.banned_ids))
+
+
+# ---- generate requests (gateway -> attention service) ------------------------------------
+def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
+    sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                              seed=req.seed if req.has_seed else None,
+                              **processing_from(req))
+    return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
+                            stop_token_ids=tuple(req.stop_token_ids),
+                            ignore_eos=req.ignore_eos,
+                            logprobs=req.logprobs if req.has_logprobs else None,
+                            min_tokens=req.min_tokens,
+                            prompt_logprobs=(req.prompt_logprobs if req.has_prompt_logprobs
+                                             else None))
+
+
+def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
+    """`params.prefill` is a `RemotePrefill` (or None) here: the gateway holds no model."""
+    s = params.sampling
+    return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
+                              temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              has_seed=s.seed is not None, seed=s.seed or 0,
+                              stop_token_ids=list(params.stop_token_ids),
+                              ignore_eos=params.ignore_eos,
+                              **processing_fields(s), min_tokens=params.min_tokens,
+                              has_prompt_logprobs=params.prompt_logprobs is not None,
+                              prompt_logprobs=params.prompt_logprobs or 0,
+                              has_logprobs=params.logprobs is not None,
+                              logprobs=params.logprobs or 0,
+                              prefill=options_to_proto(params.prefill, params.replay_ratio))
+
+
+def prompt_logprob_fields(entries: list[TokenLogprob] | None) -> dict:
+    """A first token's prompt log-probs as `GenerateEvent` fields (`prompt_logprobs_from`
+    reads them back)."""
+    if entries is None:
+        return {}
+    return {"has_prompt_logprobs": True, "prompt_tokens": [e.token for e in entries],
+            "prompt_logprobs": [e.logprob for e in entries],
+            "prompt_k": len(entries[0].top) if entries else 0,
+            "prompt_top_tokens": [t for e in entries for t, _ in e.top],
+            "prompt_top_logprobs": [lp for e in entries for _, lp in e.top]}
+
+
+def prompt_logprobs_from(ev: pb.GenerateEvent) -> list[TokenLogprob] | None:
+    if not ev.has_prompt_logprobs:
+        return None
+    k, tops = ev.prompt_k, list(zip(ev.prompt_top_tokens, ev.prompt_top_logprobs))
+    return [TokenLogprob(t, lp, tops[i * k:(i + 1) * k])
+            for i, (t, lp) in enumerate(zip(ev.prompt_tokens, ev.prompt_logprobs))]
+
+
+# ---- prefill options (attention service -> prefill replica) ------------------------------
+def options_to_proto(prefill: RemotePrefill | None, replay_ratio: float | None) -> pb.PrefillOptions:
+    opts = pb.PrefillOptions()
+    if prefill is not None:
+        opts.mode = prefill.mode or ""
+        if prefill.overrides is not None:
+            opts.ridgefill_json = json.dumps(prefill.overrides)
+    if replay_ratio is not None:
+        opts.has_replay_ratio, opts.replay_ratio = True, replay_ratio
+    return opts
+
+
+def asks_for_prefill(opts: pb.PrefillOptions) -> bool:
+    """Whether the options need a prefill service (exact prefill without one is fine)."""
+    return opts.mode not in ("", "exact") or bool(opts.ridgefill_json)
