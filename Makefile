@@ -45,7 +45,7 @@ $(SMOLLM): $(STAMP) models/zoo/gguf_import.py
 $(QKNORM): $(SMOLLM) models/zoo/deltas/smollm2-qknorm.safetensors
 	$(PY) -m services.cli derive apply-qknorm --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-qknorm
 
-$(HYBRID): $(SMOLLM) models/zoo/deltas/smollm2-hybrid.safetensors models/zoo/hybrid_init.py
+$(HYBRID): $(SMOLLM) models/zoo/deltas/smollm2-hybrid.safetensors tools/zoo/hybrid_init.py
 	$(PY) -m services.cli derive apply-hybrid --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-hybrid
 
 test: setup

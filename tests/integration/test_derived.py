@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 
 from models import load_model
-from models.zoo.derive import DELTA, DELTA_DIR, LoraLinear, apply_qknorm
+from models.zoo import DELTA_DIR
+from tools.zoo.derive import DELTA, LoraLinear, apply_qknorm
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 
@@ -58,7 +59,7 @@ def test_qknorm_distillation_recovers_the_parent():
     parent (plain least-squares QK-norm was at KL 1.45), and the distilled child is closer
     still."""
     from evals.corpus import documents
-    from models.zoo.derive import build_child, calibrate_qk
+    from tools.zoo.derive import build_child, calibrate_qk
     from services.common.tokenizer import load_tokenizer
 
     parent_dir = ZOO / "smollm2-135m"
@@ -96,7 +97,7 @@ def test_hybrid_delta_decodes_to_what_was_encoded(tiny_checkpoint):
     """`decode_delta` inverts `encode_delta` (LoRA factors, int8 rows, whole tensors): what
     `derive hybrid --init-delta` continues from is the stored checkpoint."""
     from models import load_model
-    from models.zoo.derive_hybrid import attach_trainables, decode_delta, encode_delta
+    from tools.zoo.derive_hybrid import attach_trainables, decode_delta, encode_delta
 
     path, _ = tiny_checkpoint("qwen3_5")
     child = load_model(path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models import load_model
-from models.zoo.derive_hybrid import DELTA, apply_hybrid
+from tools.zoo.derive_hybrid import DELTA, apply_hybrid
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 HYBRID, PARENT = ZOO / "smollm2-hybrid", ZOO / "smollm2-135m"
@@ -24,7 +24,7 @@ def test_delta_fits_its_budget():
 
 def test_layout_is_three_gdn_to_one_attention():
     """Every fourth layer keeps attention, at the phase the delta records."""
-    from models.zoo.derive_hybrid import LEGACY_FA_PHASE, delta_recipe
+    from tools.zoo.derive_hybrid import LEGACY_FA_PHASE, delta_recipe
 
     phase = delta_recipe(DELTA).get("fa_phase", LEGACY_FA_PHASE)
     cfg = load_model(HYBRID).config
@@ -91,7 +91,7 @@ def test_every_layer_matches_hf_on_hf_inputs():
 def test_heldout_loss_is_near_the_parent():
     """A real language model: on held-out text its per-token loss stays within a stated
     margin of the parent's (and far from the ~10.8 nat of a uniform guess)."""
-    from models.zoo.derive_hybrid import heldout, heldout_windows
+    from tools.zoo.derive_hybrid import heldout, heldout_windows
     from services.common.tokenizer import load_tokenizer
 
     windows = heldout_windows(load_tokenizer(PARENT), n=2, seq_len=256)
@@ -109,7 +109,7 @@ def test_rebuild_is_deterministic(tmp_path):
 
 
 def test_layer_types_keep_every_fourth_layer_at_the_phase():
-    from models.zoo.hybrid_init import layer_types
+    from tools.zoo.hybrid_init import layer_types
 
     assert [i for i, t in enumerate(layer_types(30, 2)) if t == "full_attention"] == \
         [2, 6, 10, 14, 18, 22, 26]
@@ -125,7 +125,7 @@ def test_distillation_steps_run_and_train(tmp_path):
     records them, and move the trained tensors."""
     from safetensors.torch import load_file
 
-    from models.zoo.derive_hybrid import derive_hybrid
+    from tools.zoo.derive_hybrid import derive_hybrid
 
     delta = tmp_path / "delta.safetensors"
     recipe = derive_hybrid(PARENT, tmp_path / "out", init_delta=DELTA, steps=2, seq_len=64,

@@ -134,11 +134,12 @@ def test_eval_arm_suffix_runs_the_arm_in_bf16_and_pairs_it_with_itself(four_laye
 
 
 def test_serve_flag_reaches_the_prefill_config():
-    from services.cli import _engine_options, build_parser
+    from services.cli import build_parser
+    from services.cli.serve_args import ServeArgs
 
     args = build_parser().parse_args(["serve", "--model", "m", "--fill-dtype", "bfloat16"])
-    assert _engine_options(args).prefill.fill_dtype == "bfloat16"
+    assert ServeArgs.from_cli(args).engine_options().prefill.fill_dtype == "bfloat16"
     args = build_parser().parse_args(["serve", "--model", "m"])
-    assert _engine_options(args).prefill.fill_dtype == "model"
+    assert ServeArgs.from_cli(args).engine_options().prefill.fill_dtype == "model"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--fill-dtype", "float16"])

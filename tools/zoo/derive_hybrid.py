@@ -31,8 +31,9 @@ from safetensors.torch import load_file, save_file
 from models.config import FULL_ATTENTION, ModelConfig
 from models.loader import load_model, read_state_dict
 from models.model import CausalLM
-from models.zoo.derive import DELTA_DIR, LoraLinear, needle_batch
-from models.zoo.hybrid_init import (FA_PHASE, base_state, calibrate, hybrid_config, mixer,
+from models.zoo import DELTA_DIR
+from tools.zoo.derive import LoraLinear, needle_batch
+from tools.zoo.hybrid_init import (FA_PHASE, base_state, calibrate, hybrid_config, mixer,
                                     train_logits)
 
 DELTA = DELTA_DIR / "smollm2-hybrid.safetensors"

@@ -28,9 +28,9 @@ from torch import nn
 from models.config import ModelConfig
 from models.loader import load_model, read_state_dict
 from models.model import CausalLM
-from models.zoo.hybrid_init import fit_ballast_qk
+from models.zoo import DELTA_DIR
+from tools.zoo.hybrid_init import fit_ballast_qk
 
-DELTA_DIR = Path(__file__).with_name("deltas")
 DELTA = DELTA_DIR / "smollm2-qknorm.safetensors"
 
 

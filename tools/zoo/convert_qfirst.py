@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from models.config import FULL_ATTENTION
 from models.loader import load_model, normalize_name, safetensors_files
 from models.model import CausalLM
-from models.zoo.hybrid_init import train_logits
+from tools.zoo.hybrid_init import train_logits
 
 RESULT_FILE = "qfirst_conversion.json"
 

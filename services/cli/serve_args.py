@@ -1,0 +1,266 @@
+"""`ServeArgs`: every `splitstack serve` flag in one frozen dataclass (vLLM's `EngineArgs`,
+SGLang's `ServerArgs`), and the configs the serving code takes, built from it.
+
+One field is one flag: `--name-with-dashes` for `name_with_dashes`, with its default, help,
+choices and range in the field's metadata. `add_cli_args` turns those into argparse
+arguments (a value out of range is a usage error), and `__post_init__` applies the same
+checks to a `ServeArgs` built in code, raising `FlagError` that names the flag.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.cli.argtypes import DTYPES, bounded, describe_range, in_range
+
+if TYPE_CHECKING:
+    from services.deployment.build import EngineOptions
+    from services.deployment.ray_cluster import ClusterConfig
+    from services.prefill.service import PrefillConfig
+
+# argument groups of `splitstack serve --help`, by the key in a field's metadata
+GROUPS = {
+    "qfirst": "disaggregated Q-First decode on Ray (any of these flags turns it on; without "
+              "them one embedded engine serves)",
+    "ridgefill": "RidgeFill prefill (requests may override: prefill_mode, ridgefill={...})",
+    "prefix": "prefix cache (Tail-Replay; requests may override: replay_ratio)",
+}
+
+
+def flag(default, help: str, *, choices=None, low=None, high=None, group=None,
+         env: str | None = None):
+    """A field that is a serve flag. `env`: an environment variable that supplies the
+    default when set (read when the dataclass or the parser is built)."""
+    meta = {"help": help, "choices": choices, "low": low, "high": high, "group": group}
+    if env is None:
+        return field(default=default, metadata=meta)
+    return field(default_factory=lambda: os.environ.get(env) or default, metadata=meta)
+
+
+class FlagError(ValueError):
+    """A serve flag's value, or a combination of flags, that serving refuses."""
+
+    def __init__(self, flag: str, value, message: str):
+        super().__init__(message)
+        self.flag, self.value = flag, value
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    model: str = flag("models/zoo/smollm2-135m", "Hugging Face model directory")
+    served_model_name: str | None = flag(
+        None, "name clients use (default: the directory name)")
+    host: str = flag("127.0.0.1", "address the HTTP server (and, on Ray, each actor's gRPC "
+                                  "server) binds; 0.0.0.0: all")
+    port: int = flag(8000, "HTTP port", low=1, high=65535)
+    api_key: str | None = flag(None, "clients of /v1/ must send 'Authorization: Bearer KEY' "
+                                     "(default: $SPLITSTACK_API_KEY; unset: no key)",
+                               env="SPLITSTACK_API_KEY")
+    dtype: str = flag("float32", "weights and activations of the model",
+                      choices=tuple(sorted(DTYPES)))
+    max_num_seqs: int = flag(16, "sequences an engine runs at once (on Ray: per attention "
+                                 "service)", low=1)
+    kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
+                               low=1e-3)
+    threads: int | None = flag(None, "torch threads (embedded: 2; per Ray actor: 1)", low=1)
+    log_level: str = flag("info", "uvicorn's log level")
+
+    disaggregated: bool = flag(False, "attention services + MLP pool as Ray actors (defaults "
+                                      "below)", group="qfirst")
+    address: str | None = flag(None, "join this Ray cluster instead of starting a local one",
+                               group="qfirst")
+    attention_shards: int | None = flag(
+        None, "attention services; each owns its requests and their KV (1)", low=1,
+        group="qfirst")
+    kv_splits: int = flag(1, "KV shards one sequence's cache is split over, per attention "
+                             "service", low=1, group="qfirst")
+    mlp_replicas: int | None = flag(None, "MLP pool replicas (1)", low=1, group="qfirst")
+    wiring: str | None = flag(None, "default: what the checkpoint was trained for (it refuses "
+                                    "others)", choices=("standard", "qfirst"), group="qfirst")
+    transport: str | None = flag(None, "attention <-> pool data plane (grpc; nccl needs --gpu)",
+                                 choices=("local", "grpc", "nccl"), group="qfirst")
+    gpu: bool = flag(False, "one CUDA device per actor", group="qfirst")
+    prefill_replicas: int | None = flag(
+        None, "prefill service replicas; every prompt is prefilled there, with RidgeFill and "
+              "the prefix cache as configured below (default: 1 with --maps / --prefill-mode "
+              "ridgefill / --prefix-cache, else 0: the attention service prefills through the "
+              "pool)", low=0, group="qfirst")
+
+    prefill_mode: str = flag("exact", "the prefill requests get unless they choose",
+                             choices=("exact", "ridgefill"), group="ridgefill")
+    maps: str | None = flag(None, "maps directory from `splitstack calibrate`",
+                            group="ridgefill")
+    maps_streamed: bool = flag(False, "read maps one layer at a time instead of keeping them "
+                                      "resident", group="ridgefill")
+    fill_dtype: str = flag("model", "precision of the filled rows' map, norm and K/V (or Gated "
+                                    "DeltaNet input) projections; exact rows keep the model's "
+                                    "dtype. bfloat16 speeds the fill on CPUs with bf16 "
+                                    "products", choices=("model", "bfloat16"),
+                           group="ridgefill")
+    split: int | None = flag(None, "split S (default: half depth)", low=1, group="ridgefill")
+    tail: int = flag(256, "exact tail T", low=0, group="ridgefill")
+    selector: str = flag("none", "rows of the prefix computed exactly, and how they are picked",
+                         choices=("none", "attention", "question-blind", "protected", "probe",
+                                  "random"), group="ridgefill")
+    budget: float = flag(0.1, "selector's share of prefix rows", low=0.0, high=1.0,
+                         group="ridgefill")
+    value_rescale: int = flag(0, "c tail rows (0: off)", low=0, group="ridgefill")
+    key_rescale: int = flag(0, "c tail rows measuring a key magnitude scale (0: off)", low=0,
+                            group="ridgefill")
+    terminal_correction: bool = flag(False, "hybrids: add the maps' calibrated terminal-state "
+                                            "offsets ΔM to the Gated DeltaNet states of filled "
+                                            "rows", group="ridgefill")
+    lexical: float = flag(0.05, "probe selector: share of prefix rows reserved within the "
+                                "budget for the lexical net's sentences (0: attention "
+                                "ranking alone)", low=0.0, high=1.0, group="ridgefill")
+
+    prefix_cache: bool = flag(False, "reuse cached prompt prefixes at token granularity",
+                              group="prefix")
+    prefix_cache_bytes: int = flag(1 << 30, "capacity of the in-process memory tier", low=0,
+                                   group="prefix")
+    prefix_block_size: int = flag(16, "tokens per hashed block of the index", low=1,
+                                  group="prefix")
+    redis_url: str | None = flag(None, "shared Redis tier and index, e.g. "
+                                       "redis://127.0.0.1:6379/0", group="prefix")
+    reuse_filled: bool = flag(False, "also reuse rows a RidgeFill prefill filled",
+                              group="prefix")
+    replay_ratio: float = flag(0.1, "r: replay the last ceil(r·m) rows of an m-token hit "
+                                    "through the linear-attention layers (hybrid models; 0: "
+                                    "zero-only)", low=0.0, high=1.0, group="prefix")
+
+    def __post_init__(self):
+        for f in fields(self):
+            _check(f, getattr(self, f.name))
+        if not self.prefix_cache and (self.redis_url or self.reuse_filled):
+            raise FlagError("--prefix-cache", False,
+                            "--redis-url and --reuse-filled need --prefix-cache")
+        # what the configs refuse in combination (--transport nccl without --gpu, RidgeFill
+        # or the prefix cache with --prefill-replicas 0) is refused here too, before loading
+        self.engine_options()
+        if self.uses_cluster:
+            self.cluster_config()
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        groups = {None: parser}
+        for f in fields(cls):
+            meta, (kind, _) = f.metadata, _KINDS[f.name]
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_argument_group(GROUPS[meta["group"]])
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if kind is bool:
+                groups[meta["group"]].add_argument(flag_name(f.name), action="store_true",
+                                                   help=meta["help"])
+                continue
+            low, high = meta["low"], meta["high"]
+            groups[meta["group"]].add_argument(
+                flag_name(f.name), default=default, choices=meta["choices"], help=meta["help"],
+                type=bounded(low, kind, high) if low is not None or high is not None else kind)
+        return parser
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> ServeArgs:
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)})
+
+    @property
+    def uses_cluster(self) -> bool:
+        """Any Q-First flag asks for the Ray deployment; without them one embedded engine
+        serves."""
+        return bool(self.disaggregated or self.address or self.attention_shards
+                    or self.mlp_replicas or self.transport or self.wiring
+                    or self.prefill_replicas is not None)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_threads(self) -> int:
+        return self.threads or (1 if self.uses_cluster else 2)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * (1 << 30))
+
+    def prefill_config(self) -> PrefillConfig:
+        """The RidgeFill settings; with --prefill-mode exact and no --maps the engine builds
+        no prefill service and this goes unused."""
+        from services.prefill.service import PrefillConfig
+
+        return PrefillConfig(mode=self.prefill_mode, maps_dir=self.maps,
+                             resident=not self.maps_streamed, split=self.split, tail=self.tail,
+                             selector=self.selector, budget=self.budget,
+                             value_rescale=self.value_rescale, key_rescale=self.key_rescale,
+                             terminal_correction=self.terminal_correction,
+                             lexical=self.lexical, fill_dtype=self.fill_dtype)
+
+    def engine_options(self) -> EngineOptions:
+        """An engine's settings: the embedded one's, or each prefill replica's on Ray."""
+        from services.deployment.build import EngineOptions
+
+        return EngineOptions(max_num_seqs=self.max_num_seqs, kv_cache_bytes=self.kv_cache_bytes,
+                             prefill=self.prefill_config(),
+                             prefix_cache_bytes=self.prefix_cache_bytes if self.prefix_cache
+                             else None,
+                             prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
+                             reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio)
+
+    def cluster_config(self) -> ClusterConfig:
+        """The Ray deployment: unset Q-First sizes are 1, the transport gRPC, and the prefill
+        service gets one replica when RidgeFill or the prefix cache needs it."""
+        from services.deployment.ray_cluster import ClusterConfig
+
+        options = self.engine_options()
+        prefill_replicas = self.prefill_replicas
+        if prefill_replicas is None:
+            prefill_replicas = int(options.ridgefill or options.prefix_cache_bytes is not None)
+        return ClusterConfig(
+            model=self.model, attention_shards=self.attention_shards or 1,
+            mlp_replicas=self.mlp_replicas or 1, wiring=self.wiring,
+            transport=self.transport or "grpc", kv_splits=self.kv_splits,
+            kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
+            dtype=self.dtype, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
+            prefill_replicas=prefill_replicas, prefill=options)
+
+
+def _kind(hint) -> tuple[type, bool]:
+    """`str | None` -> (str, True): the type a flag's value has when given, and whether it
+    may be None (not given)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (kind,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return kind, True
+    return hint, False
+
+
+_KINDS = {name: _kind(hint) for name, hint in typing.get_type_hints(ServeArgs).items()}
+
+
+def _check(f: dataclasses.Field, value) -> None:
+    """One field's type, choices and range."""
+    name, (kind, optional), meta = flag_name(f.name), _KINDS[f.name], f.metadata
+    if value is None and optional:
+        return
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise FlagError(name, value, f"{name} is true or false, got {value!r}")
+        return
+    accepted = (int, float) if kind is float else kind
+    if not isinstance(value, accepted) or isinstance(value, bool):
+        raise FlagError(name, value, f"{name} expects {kind.__name__}, got {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise FlagError(name, value, f"{name} must be one of {', '.join(meta['choices'])}, "
+                                     f"got {value!r}")
+    if kind is not str and not in_range(value, meta["low"], meta["high"]):
+        raise FlagError(name, value, f"{name} must be "
+                                     f"{describe_range(meta['low'], meta['high'])}, got {value!r}")

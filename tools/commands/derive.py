@@ -1,0 +1,75 @@
+"""Derive a checkpoint from SmolLM2 (see models/zoo/README.md): `qknorm` / `hybrid`
+calibrate and distil it and store its delta in models/zoo/deltas/; `apply-qknorm` /
+`apply-hybrid` rebuild the checkpoint from the parent and the stored delta (what
+`make setup` runs)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from services.cli.argtypes import bounded
+from tools.commands import log
+
+
+def build_parser() -> argparse.ArgumentParser:
+    der = argparse.ArgumentParser(prog="splitstack derive", description=__doc__)
+    der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid"],
+                     help="qknorm / hybrid: calibrate + distil and store the delta; "
+                          "apply-*: rebuild the checkpoint from the stored delta")
+    der.add_argument("--parent", default="models/zoo/smollm2-135m")
+    der.add_argument("--out", help="default: models/zoo/smollm2-{qknorm,hybrid}")
+    der.add_argument("--steps", type=int, help="KL distillation steps (default: the recipe's)")
+    der.add_argument("--layerwise-steps", type=int, help="hybrid: layer-wise distillation steps")
+    der.add_argument("--seq-len", type=int)
+    der.add_argument("--rank", type=int, help="LoRA rank")
+    der.add_argument("--seed", type=int, default=0)
+    der.add_argument("--needle-frac", type=float, default=0.0,
+                     help="share of distillation batches that are retrieval items")
+    der.add_argument("--fa-phase", type=int, choices=range(4), default=None,
+                     help="hybrid: layers i with i %% 4 == phase keep attention (default 3)")
+    der.add_argument("--delta", help="hybrid: where the delta goes, or (apply-hybrid) the "
+                                     "one to rebuild from (default: the zoo's, "
+                                     "models/zoo/deltas/smollm2-hybrid.safetensors)")
+    der.add_argument("--init-delta", help="hybrid: continue from this stored delta (its "
+                     "layout; only the logit stage runs)")
+    der.add_argument("--needle-len", type=int, help="hybrid: tokens per retrieval item "
+                     "(default: --seq-len)")
+    der.add_argument("--answer-weight", type=float,
+                     help="hybrid: weight of the answer-token KL on retrieval items (default 1)")
+    der.add_argument("--kl-lr", type=float, help="hybrid: learning rate of the logit stage")
+    der.add_argument("--threads", type=bounded(1), default=2)
+    return der
+
+
+def run(argv: list[str]) -> int:
+    from tools.zoo import derive, derive_hybrid
+
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = args.out or f"models/zoo/smollm2-{args.what.removeprefix('apply-')}"
+    opts = {k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len),
+                              ("rank", args.rank)) if v is not None}
+    if args.what == "qknorm":
+        recipe = derive.derive_qknorm(args.parent, out, seed=args.seed,
+                                      needle_frac=args.needle_frac, log=log, **opts)
+        print(json.dumps(recipe, indent=2))
+    elif args.what == "hybrid":
+        if args.layerwise_steps is not None:
+            opts["layerwise_steps"] = args.layerwise_steps
+        if args.fa_phase is not None:
+            opts["fa_phase"] = args.fa_phase
+        if args.delta:
+            opts["delta_path"] = args.delta
+        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr"):
+            if getattr(args, key) is not None:
+                opts[key] = getattr(args, key)
+        recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,
+                                             needle_frac=args.needle_frac, **opts)
+        print(json.dumps(recipe, indent=2))
+    elif args.what == "apply-hybrid":
+        print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
+    else:
+        print(f"rebuilt {derive.apply_qknorm(args.parent, out)}")
+    return 0
