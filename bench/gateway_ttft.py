@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from evals.corpus import documents  # noqa: E402
-from services.gateway.server import build_embedded  # noqa: E402
+from services.deployment.server import build_embedded  # noqa: E402
 from services.prefill.service import PrefillConfig  # noqa: E402
 from tests.e2e.conftest import running  # noqa: E402
 
@@ -77,9 +77,9 @@ def main() -> int:
     prefill = PrefillConfig(maps_dir=args.maps, split=args.split) if args.maps else None
     plain = None
     if args.cluster:
-        from services.common.ray_deploy import ClusterConfig, init_ray
-        from services.engine.build import EngineOptions
-        from services.gateway.server import build_cluster
+        from services.deployment.ray_cluster import ClusterConfig, init_ray
+        from services.deployment.build import EngineOptions
+        from services.deployment.server import build_cluster
 
         init_ray()
         options = EngineOptions(prefill=prefill, prefix_cache_bytes=1 << 30)

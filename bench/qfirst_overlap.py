@@ -279,7 +279,7 @@ def main() -> None:
     if "nccl" in names:
         names.remove("nccl")
         print("nccl: skipped: " + ("no CUDA device here" if not torch.cuda.is_available() else
-              "it joins GPU pool actors (services/common/ray_deploy.py); this benchmark's "
+              "it joins GPU pool actors (services/deployment/ray_cluster.py); this benchmark's "
               "pool is a CPU process"))
     load = os.getloadavg()
     print(f"{os.cpu_count()} CPUs, load average {load[0]:.2f} (quiet machine: near 0), "

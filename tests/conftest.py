@@ -55,7 +55,7 @@ def ray_session():
     on 2 cores); `ray.shutdown()` at the end ends only what this fixture started."""
     import ray
 
-    from services.common.ray_deploy import init_ray
+    from services.deployment.ray_cluster import init_ray
 
     init_ray(num_cpus=2)
     yield ray

@@ -11,7 +11,7 @@ so neither side synchronizes the host: the next kernel on the stream waits for t
 The prefill service uses the same links for a prompt's KV and states
 (`services.prefill.server`, `Pull`).
 
-Setup (Ray, `services.common.ray_deploy`): the replica makes a unique id and starts joining
+Setup (Ray, `services.deployment.ray_cluster`): the replica makes a unique id and starts joining
 as rank 1 on a thread (`NcclEndpoint.listen`); the cache side joins as rank 0 with that
 id (`NcclTransport.connect`). cupy is imported lazily: without CUDA this module imports,
 and only building a link fails, with a clear error.

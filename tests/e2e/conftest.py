@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from services.gateway.server import build_embedded
+from services.deployment.server import build_embedded
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
 

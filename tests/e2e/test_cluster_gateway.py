@@ -18,10 +18,10 @@ import torch
 
 from kernels.sampling import SamplingParams
 from models import load_model
-from services.common.ray_deploy import ClusterConfig
+from services.deployment.ray_cluster import ClusterConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
-from services.gateway.server import build_cluster
+from services.deployment.server import build_cluster
 from tests.e2e.conftest import ZOO, running
 
 MAX_TOKENS = 16
@@ -257,6 +257,84 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv(cluster, ray_ses
             break
         time.sleep(0.2)
     assert_no_leaks(ray_session, handles, alive=[0, 1])
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded deployment with the cluster's limits (the same KV bytes per attention
+    service, so the same context length), for the parity test."""
+    from services.deployment.server import build_embedded
+
+    app = build_embedded(ZOO, served_name="smollm2-135m", kv_cache_bytes=128 << 20,
+                         max_num_seqs=8)
+    with running(app) as base:
+        yield base
+
+
+def parity_requests(tok) -> list[tuple[str, dict]]:
+    """Requests both deployments must answer alike: greedy and seeded, penalties, stop
+    strings, a prompt longer than one prefill chunk (512), prompts over the limit, bad ids."""
+    gen = torch.Generator().manual_seed(5)
+    long = torch.randint(100, 20000, (700,), generator=gen).tolist()
+    over = torch.randint(100, 20000, (2900,), generator=gen).tolist()
+    count = "1, 2, 3, 4, 5,"
+    base = {"model": "smollm2-135m", "max_tokens": 12}
+    return [
+        ("completions", {**base, "prompt": prompt_ids()[1], "temperature": 0, "ignore_eos": True}),
+        ("completions", {**base, "prompt": "The capital of France is", "temperature": 0.8,
+                         "top_p": 0.9, "seed": 7, "n": 2, "logprobs": 2}),
+        ("completions", {**base, "prompt": count, "temperature": 0,
+                         "repetition_penalty": 1.3, "frequency_penalty": 0.5,
+                         "presence_penalty": 0.3, "logit_bias": {"28": 4.0}}),
+        ("completions", {**base, "prompt": count, "temperature": 0, "stop": [" 8", "\n"]}),
+        ("completions", {**base, "prompt": long, "temperature": 0, "ignore_eos": True}),
+        ("chat/completions", {**base, "messages": [{"role": "user", "content": "Say hi."}],
+                              "temperature": 0.7, "seed": 3, "min_tokens": 4}),
+        ("completions", {**base, "prompt": over, "max_tokens": 100}),
+        ("completions", {**base, "prompt": [5, 10**6]}),
+        ("completions", {**base, "prompt": prompt_ids()[0], "max_tokens": 9000}),
+    ]
+
+
+def comparable(r: httpx.Response):
+    body = r.json()
+    if r.status_code != 200:
+        return r.status_code, body
+    return r.status_code, body["choices"], body["usage"]
+
+
+def assert_same(a, b, where="") -> None:
+    """Equal structures; floats (log-probs) within 1e-4, as the logits are: the pool's
+    batched products round differently from the monolithic model's."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert abs(a - b) <= 1e-4, (where, a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a) == sorted(b), (where, a, b)
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), (where, a, b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_both_deployments_give_identical_results_and_errors(cluster, embedded, ray_session):
+    """One engine for both deployments: the same requests give the same tokens, text,
+    log-probs, finish reasons, usage, and the same error status and message."""
+    base, _ = cluster
+    tok = load_tokenizer(ZOO)
+    statuses = []
+    for route, body in parity_requests(tok):
+        got = [comparable(httpx.post(f"{url}/v1/{route}", json=body, timeout=300))
+               for url in (embedded, base)]
+        assert_same(got[0], got[1], f"{route} {str(body.get('prompt', body.get('messages')))[:40]}")
+        statuses.append(got[0][0])
+    assert statuses == [200] * 6 + [400] * 3
+    long_usage = comparable(httpx.post(f"{base}/v1/completions",
+                                       json=parity_requests(tok)[4][1], timeout=300))[2]
+    assert long_usage["prompt_tokens"] == 700
 
 
 def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_session):

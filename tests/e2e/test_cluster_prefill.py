@@ -18,9 +18,9 @@ import openai
 import pytest
 import redis
 
-from services.common.ray_deploy import ClusterConfig
-from services.engine.build import EngineOptions
-from services.gateway.server import build_cluster
+from services.deployment.ray_cluster import ClusterConfig
+from services.deployment.build import EngineOptions
+from services.deployment.server import build_cluster
 from tests.e2e.conftest import ZOO, running
 
 MODEL = "smollm2-135m"

@@ -515,7 +515,7 @@ def test_a_batch_of_prompts_gets_n_choices_each(server):
 def test_api_key_guards_the_v1_routes():
     """`--api-key`: /v1/ needs the bearer token (401 otherwise, nothing runs); /health and
     /metrics stay open for probes and scrapers."""
-    from services.gateway.server import build_embedded
+    from services.deployment.server import build_embedded
     from tests.e2e.conftest import ZOO, running
 
     app = build_embedded(ZOO, served_name=MODEL, api_key="s3cret")

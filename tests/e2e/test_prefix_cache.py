@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.server import build_embedded
+from services.deployment.server import build_embedded
 from tests.e2e.conftest import ZOO, running
 from tests.e2e.test_gateway import MODEL, client, wait_idle
 

@@ -6,7 +6,7 @@ import pytest
 
 from evals.corpus import documents
 from services.common.tokenizer import load_tokenizer
-from services.gateway.server import build_embedded
+from services.deployment.server import build_embedded
 from services.prefill.maps import CalibConfig, calibrate
 from services.prefill.service import PrefillConfig
 from tests.e2e.conftest import ZOO, running

@@ -26,7 +26,7 @@ from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.engine.build import EngineOptions, build_engine
+from services.deployment.build import EngineOptions, build_engine
 from services.mlp_pool.grpc_server import serve_pool
 from services.prefill.server import (PendingTransfers, PrefillClient, PrefillFailed,
                                      serve_prefill)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from models import load_model
-from services.common.ray_deploy import ClusterConfig, deploy
+from services.deployment.ray_cluster import ClusterConfig, deploy
 from services.engine import LLMEngine
 from tests.integration.test_ray_deploy import PARAMS, assert_no_leaks, prompts, run_concurrently
 

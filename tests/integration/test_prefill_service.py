@@ -22,7 +22,7 @@ from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
-from services.engine.build import EngineOptions, build_engine
+from services.deployment.build import EngineOptions, build_engine
 from services.mlp_pool import MLPPool
 from services.common.codec import options_to_proto
 from services.common.messages import RemotePrefill

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from models import load_model
 from services.common.tokenizer import default_temperature, load_tokenizer
-from services.engine.build import EngineOptions, build_engine
+from services.deployment.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
 from services.gateway.metrics import GatewayMetrics
@@ -37,11 +37,11 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
                   num_cpus: int | None = None, api_key: str | None = None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
-    prefill replicas and the attention services (`services.common.ray_deploy`), and put the
+    prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
     `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them. Returns
     (app, cluster)."""
-    from services.common.ray_deploy import deploy, init_ray
+    from services.deployment.ray_cluster import deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
     model_dir = Path(config.model)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.process import tune_process
-from services.engine.build import EngineOptions
+from services.deployment.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
@@ -161,7 +161,7 @@ class PrefillReplica:
         from prometheus_client import CollectorRegistry
 
         from models import load_model
-        from services.engine.build import build_engine
+        from services.deployment.build import build_engine
         from services.prefill.server import serve_prefill
 
         tune_process()
