@@ -118,8 +118,9 @@ def test_serve_refuses_bad_prefill_flags_before_starting_anything(capsys):
     assert "prefill-replicas" in capsys.readouterr().err
     assert main(["serve", "--attention-shards", "1", "--redis-url", "redis://x"]) == 2
     assert "need --prefix-cache" in capsys.readouterr().err
-    assert main(["serve", "--prefill-replicas", "1", "--replay-ratio", "3"]) == 2
-    assert "replay_ratio" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--prefill-replicas", "1", "--replay-ratio", "3"])
+    assert exc.value.code == 2 and "argument --replay-ratio" in capsys.readouterr().err
 
 
 def test_wildcard_binds_are_advertised_as_the_node_ip(ray_session):

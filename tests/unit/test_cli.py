@@ -76,8 +76,8 @@ def test_generate_bad_token_ids_message(tiny_checkpoint):
 def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
     """`derive hybrid --fa-phase/--needle-frac/--delta` reach `derive_hybrid` (the training
     itself is tested in tests/integration/test_hybrid_checkpoint.py)."""
-    from models.zoo import derive_hybrid
     from services.cli import main
+    from tools.zoo import derive_hybrid
 
     seen = {}
     monkeypatch.setattr(derive_hybrid, "derive_hybrid",
@@ -99,8 +99,8 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
 def test_apply_hybrid_rebuilds_from_the_given_delta(monkeypatch, tmp_path):
     """`derive apply-hybrid --delta D` rebuilds from D (an older delta from git history,
     say), not from the zoo's."""
-    from models.zoo import derive_hybrid
     from services.cli import main
+    from tools.zoo import derive_hybrid
 
     seen = []
     monkeypatch.setattr(derive_hybrid, "apply_hybrid",
