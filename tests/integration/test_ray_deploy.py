@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from models import load_model
-from services.attention.server import params_to_proto
+from services.common.codec import params_to_proto
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.ray_deploy import ClusterConfig, deploy
+from services.deployment.ray_cluster import ClusterConfig, deploy
 from services.engine import GenerationParams, LLMEngine
 
 PARAMS = GenerationParams(max_tokens=8, ignore_eos=True)
@@ -98,7 +98,7 @@ def test_bad_cluster_settings_are_refused():
         ClusterConfig(model="unused", transport="carrier-pigeon")
     with pytest.raises(ValueError, match="attention_shards"):
         ClusterConfig(model="unused", attention_shards=0)
-    from services.engine.build import EngineOptions
+    from services.deployment.build import EngineOptions
     from services.prefill.service import PrefillConfig
 
     with pytest.raises(ValueError, match="prefill-replicas"):    # the cache lives there
@@ -124,7 +124,7 @@ def test_serve_refuses_bad_prefill_flags_before_starting_anything(capsys):
 
 
 def test_wildcard_binds_are_advertised_as_the_node_ip(ray_session):
-    from services.common.ray_deploy import _advertised
+    from services.deployment.ray_cluster import _advertised
 
     assert _advertised("127.0.0.1:5000") == "127.0.0.1:5000"
     host, port = _advertised("0.0.0.0:5000").rsplit(":", 1)

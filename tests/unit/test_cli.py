@@ -164,7 +164,7 @@ def test_serve_refuses_bad_sizes_before_starting_anything(flags, option, capsys)
 
 
 def test_cluster_config_refuses_nonpositive_sizes():
-    from services.common.ray_deploy import ClusterConfig
+    from services.deployment.ray_cluster import ClusterConfig
 
     for name in ("max_num_seqs", "kv_cache_bytes", "threads", "block_size"):
         with pytest.raises(ValueError, match=name):
