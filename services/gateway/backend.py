@@ -11,8 +11,9 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
-from services.common.step_driver import StepDriver
+from services.engine.driver import StepDriver
 from services.engine import GenerationParams, LLMEngine, StepOutput
+from services.gateway.client import EngineClient
 
 
 @dataclass
@@ -27,7 +28,7 @@ class _Submit:
     extra: dict = field(default_factory=dict)       # more keyword arguments of add_request
 
 
-class EngineBackend(StepDriver):
+class EngineBackend(StepDriver, EngineClient):
     def __init__(self, engine: LLMEngine):
         super().__init__(engine, "engine")
 

@@ -19,10 +19,11 @@ from prometheus_client import Gauge
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.attention.server import params_to_proto, prompt_logprobs_from
+from services.common.codec import params_to_proto, prompt_logprobs_from
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.engine import GenerationParams, RequestError, StepOutput
+from services.gateway.client import EngineClient
 from services.gateway.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,7 @@ class RemoteMetrics:
         yield from merged.values()
 
 
-class ClusterBackend:
+class ClusterBackend(EngineClient):
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
 
     def __init__(self, addresses: list[str], registry=None,
@@ -126,7 +127,8 @@ class ClusterBackend:
             log.warning("attention service %s failed: %s", ep.address, err.details())
             ep.down_since = time.monotonic()
 
-    async def submit(self, prompt_ids: list[int], params: GenerationParams):
+    async def submit(self, prompt_ids: list[int],
+                     params: GenerationParams) -> tuple[int, asyncio.Queue]:
         """-> (id, asyncio.Queue of StepOutput). Raises RequestError for a refused request
         and APIError(503) when no attention service is reachable. A request that fails
         before it was acknowledged holds nothing anywhere, so it is tried on the next
@@ -203,8 +205,8 @@ class ClusterBackend:
             ep.inflight -= 1
             self.calls.pop(gid, None)
 
-    def abort(self, gid: int) -> None:
-        call = self.calls.get(gid)
+    def abort(self, seq_id: int) -> None:
+        call = self.calls.get(seq_id)
         if call is not None:
             call.cancel()
 

@@ -1,0 +1,43 @@
+"""The one interface the gateway talks to an engine through (vLLM's `engine/protocol.py`).
+
+Two deployments implement it: `EngineBackend` (the engine in this process, on its own thread)
+and `ClusterBackend` (attention services over gRPC). The gateway calls every method from its
+event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+
+from services.engine import GenerationParams
+
+
+class EngineClient(ABC):
+    @abstractmethod
+    async def submit(self, prompt_ids: list[int],
+                     params: GenerationParams) -> tuple[int, asyncio.Queue]:
+        """Admits a request; returns its id and the queue its `StepOutput`s arrive on, the
+        last one `finished` (a failure is a finished output with `error`). A refused request
+        raises `RequestError` and holds nothing."""
+
+    @abstractmethod
+    def abort(self, seq_id: int) -> None:
+        """Stops a request and frees its KV; its queue then gets a finished output (reason
+        "abort") unless it had finished. Safe to call for a finished or unknown id."""
+
+    @abstractmethod
+    def healthy(self) -> bool:
+        """Whether a request submitted now can be served (for `/health`)."""
+
+    @abstractmethod
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, 0-1 (the fullest engine's); a backend that polls
+        it reports what the last `refresh` saw."""
+
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests submitted and not yet finished."""
+
+    @abstractmethod
+    async def refresh(self) -> None:
+        """Polls whatever `kv_usage` and the metrics read from (before `/metrics`)."""

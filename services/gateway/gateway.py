@@ -1,0 +1,189 @@
+"""The gateway's core: OpenAI request fields -> engine requests, and each engine request's
+outputs -> text deltas (incremental detokenization, stop strings, log-probs, metrics).
+
+Requests are validated twice: by the pydantic bodies (types, ranges) and by the engine
+(`RequestError`: empty prompt, context overflow). Both become a 4xx with an OpenAI-style
+error body.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+from kernels.sampling import SamplingError, SamplingParams
+from services.engine import GenerationParams, RequestError
+from services.gateway.client import EngineClient
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.logprobs import TokenLogprob, TokenText
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
+from services.gateway.stops import StopStrings
+from services.common.messages import RemotePrefill
+
+
+class Gateway:
+    """`backend`: an `EngineBackend` (embedded engine) or a `ClusterBackend` (attention
+    services over gRPC)."""
+
+    def __init__(self, backend: EngineClient, tokenizer, model_name: str, max_model_len: int,
+                 default_temperature: float = 1.0, prefill_service=None,
+                 metrics: GatewayMetrics | None = None, remote_prefill: bool = False):
+        """`prefill_service`: resolves RidgeFill fields here (embedded engine);
+        `remote_prefill`: they travel as given and the prefill service checks them."""
+        self.backend = backend
+        self.prefill_service = prefill_service
+        self.remote_prefill = remote_prefill
+        self.default_temperature = default_temperature   # from generation_config.json
+        self.tokenizer = tokenizer
+        self.words = TokenText(tokenizer)
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics or GatewayMetrics()
+
+    # ---- request -> engine ----------------------------------------------------------
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", code="model_not_found")
+
+    def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
+        self.check_model(req.model)
+        req.check_supported()
+        if max_tokens is None:
+            max_tokens = max(1, self.max_model_len - prompt_len)
+        if max_tokens <= 0:
+            raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
+                           "max_tokens")
+        try:
+            temperature = (self.default_temperature if req.temperature is None
+                           else req.temperature)
+            sampling = SamplingParams(temperature=temperature, top_k=req.top_k,
+                                      top_p=req.top_p, seed=req.seed,
+                                      presence_penalty=req.presence_penalty or 0.0,
+                                      frequency_penalty=req.frequency_penalty or 0.0,
+                                      repetition_penalty=req.repetition_penalty or 1.0,
+                                      logit_bias=req.logit_bias_pairs())
+            return GenerationParams(max_tokens=max_tokens, sampling=sampling,
+                                    ignore_eos=req.ignore_eos, logprobs=req.logprobs_k(),
+                                    min_tokens=req.min_tokens or 0,
+                                    prompt_logprobs=req.prompt_logprobs_k(),
+                                    stop_token_ids=tuple(req.stop_token_ids or ()),
+                                    prefill=self.prefill_settings(req, prompt_len),
+                                    replay_ratio=req.replay_ratio)
+        except (SamplingError, RequestError) as exc:
+            raise APIError(400, str(exc), getattr(exc, "field", None)) from exc
+
+    def candidates(self, req: _Common, params: GenerationParams) -> list[GenerationParams]:
+        """One engine request per completion to generate (`n`, or completions' `best_of`).
+        A seeded request's candidates draw with seed, seed + 1, ..., each reproducible; for
+        `best_of` the sampled tokens' log-probs are kept to rank them, asked for or not."""
+        count = req.candidates()
+        if count == 1:
+            return [params]
+        if count > req.n and params.logprobs is None:
+            params = replace(params, logprobs=0)
+        seed = params.sampling.seed
+        return [params if seed is None else
+                replace(params, sampling=replace(params.sampling, seed=_next_seed(seed, i)))
+                for i in range(count)]
+
+    def prefill_settings(self, req: _Common, prompt_len: int):
+        if self.remote_prefill:
+            if req.prefill_mode is None and req.ridgefill is None:
+                return None
+            return RemotePrefill(req.prefill_mode, req.ridgefill)
+        if self.prefill_service is None:
+            if req.prefill_mode not in (None, "exact") or req.ridgefill:
+                raise APIError(400, "this server has no RidgeFill prefill service (start it "
+                                    "with --maps)", "prefill_mode")
+            return None
+        try:
+            return self.prefill_service.resolve(req.prefill_mode, req.ridgefill, prompt_len)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "ridgefill") from exc
+
+    def completion_ids(self, req: CompletionRequest) -> list[list[int]]:
+        """Each prompt of the batch as token ids."""
+        return [list(p) if isinstance(p, list) else
+                self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
+
+    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ---- generation -----------------------------------------------------------------
+    async def generate(self, ids: list[int], params: GenerationParams, stops: list[str],
+                       arrival: float, include_stop: bool = False, skip_special: bool = True):
+        """Yields `Delta`s (new text, finish reason, tokens generated so far, and with
+        `params.logprobs` the new tokens' log-probs); aborts the request when closed early.
+        The text ends before the first stop string found after `params.min_tokens` tokens
+        (after it with `include_stop`)."""
+        try:
+            seq_id, out = await self.backend.submit(ids, params)
+        except RequestError as exc:
+            raise APIError(400, str(exc), exc.field) from exc
+        self.metrics.prompt_tokens.inc(len(ids))
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special)
+        stop = StopStrings(stops, include_stop)
+        count = 0                              # tokens generated
+        entries: list[TokenLogprob] = []       # tokens not yet sent with a delta
+        prompt = None                          # the prompt's log-probs, for the first delta
+        last, finished = None, False
+        try:
+            while True:
+                step = await out.get()
+                now = time.perf_counter()
+                if step.error:
+                    self.metrics.requests.labels("error").inc()
+                    raise APIError(500, f"generation failed: {step.error}", type_="server_error")
+                new = ""
+                if step.token is not None:
+                    (self.metrics.ttft if last is None else self.metrics.itl).observe(
+                        now - (arrival if last is None else last))
+                    last = now
+                    count += 1
+                    self.metrics.generation_tokens.inc()
+                    if params.logprobs is not None:
+                        entries.append(TokenLogprob(step.token, step.logprob,
+                                                    list(step.top_logprobs or ())))
+                    if step.prompt_logprobs is not None:
+                        prompt = step.prompt_logprobs
+                    new = detok.add(step.token)
+                reason = step.finish_reason if step.finished else None
+                # stop strings ending within the first min_tokens tokens come too early
+                text, stopped = stop.feed(new, detok.pending, armed=count > params.min_tokens)
+                if stopped:
+                    reason = "stop"
+                elif reason:
+                    text += detok.pending      # the stream's last bytes, complete or not
+                if text or reason:
+                    yield Delta(text, reason, count, entries, prompt)
+                    entries, prompt = [], None
+                if reason:
+                    finished = step.finished
+                    self.metrics.e2e.observe(now - arrival)
+                    self.metrics.requests.labels(reason).inc()
+                    return
+        finally:
+            if not finished:
+                self.backend.abort(seq_id)
+                self.metrics.requests.labels("abort").inc()
+            self.metrics.kv_usage.set(self.backend.kv_usage())
+            self.metrics.running.set(self.backend.num_running())
+
+
+class Delta(NamedTuple):
+    text: str
+    reason: str | None                 # the finish reason, on the last one
+    n: int                             # tokens generated so far
+    logprobs: list[TokenLogprob]       # the tokens since the previous delta (when asked)
+    prompt: list[TokenLogprob] | None = None   # the first delta: prompt log-probs (echo)
+
+
+def _next_seed(seed: int, i: int) -> int:
+    """seed + i, wrapped into torch's seed range [-2**63, 2**64)."""
+    s = seed + i
+    return s - 2**64 if s >= 2**64 else s
