@@ -110,13 +110,19 @@ def test_disabled_fill_equals_exact_mode(rf_server):
 
 def test_log_probs_of_a_filled_prompt(rf_server):
     """A RidgeFill request's tokens report log-probs like any other (the first token's come
-    from the fill's logits: with the fill disabled they equal exact mode's); the prompt's
+    from the fill's logits: with the fill disabled they are exact mode's); the prompt's
     own log-probs need every prompt row computed, so `echo` with `logprobs` is refused."""
     base, gateway = rf_server
     exact = complete(base, PROMPT, logprobs=3).json()["choices"][0]["logprobs"]
     off = complete(base, PROMPT, logprobs=3, prefill_mode="ridgefill",
                    ridgefill={"tail": 100000}).json()["choices"][0]["logprobs"]
-    assert off == exact and len(exact["tokens"]) == 8
+    # the same tokens; the prompt runs in one pass instead of the engine's chunks, so the
+    # BLAS kernels may round differently (not bitwise on every CPU)
+    assert off["tokens"] == exact["tokens"] and len(exact["tokens"]) == 8
+    assert [list(t) for t in off["top_logprobs"]] == [list(t) for t in exact["top_logprobs"]]
+    pairs = zip(off["token_logprobs"] + [v for t in off["top_logprobs"] for v in t.values()],
+                exact["token_logprobs"] + [v for t in exact["top_logprobs"] for v in t.values()])
+    assert max(abs(a - b) for a, b in pairs) < 1e-4
     filled = complete(base, PROMPT, logprobs=3, prefill_mode="ridgefill").json()
     lp = filled["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == filled["usage"]["completion_tokens"]
