@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto test bench run clean
+.PHONY: setup models proto test test-fast bench run clean
 
 ## setup: virtualenv with the project, its test extras and the offline model zoo
 setup: $(STAMP) proto models
@@ -48,8 +48,15 @@ $(QKNORM): $(SMOLLM) models/zoo/deltas/smollm2-qknorm.safetensors
 $(HYBRID): $(SMOLLM) models/zoo/deltas/smollm2-hybrid.safetensors tools/zoo/hybrid_init.py
 	$(PY) -m services.cli derive apply-hybrid --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-hybrid
 
+## test: the import contracts (.importlinter), then the whole suite (what CI runs)
 test: setup
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+## test-fast: the inner loop: contracts and the tests not marked slow (no real model, Ray or HTTP)
+test-fast: setup
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: setup
 	$(PY) bench/engine_vs_hf.py
