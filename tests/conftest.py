@@ -1,7 +1,10 @@
-"""Shared fixtures: tiny random checkpoints of every family, saved once per session."""
+"""Shared fixtures (tiny random checkpoints of every family, saved once per session; one Ray
+session) and the collection rules: `gpu` tests skip without CUDA, and HTTP end-to-end and Ray
+tests must carry `slow` so that `make test-fast` stays free of them."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +15,22 @@ from services.prefill.maps import CalibConfig, calibrate
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-FAMILIES = ["qwen3", "llama3", "qwen3_next", "qwen3_next_moe", "qwen3_5"]
+E2E = Path(__file__).resolve().parent / "e2e"
 
 
+def needs_slow_mark(item) -> bool:
+    """Tests over HTTP end to end (tests/e2e/) or on a Ray cluster."""
+    return (E2E in item.path.resolve().parents
+            or "ray_session" in getattr(item, "fixturenames", ()))
+
+
+@pytest.hookimpl(tryfirst=True)     # before -m and -k deselect: every run checks everything
 def pytest_collection_modifyitems(config, items):
+    unmarked = sorted({item.nodeid.split("::")[0] for item in items
+                       if needs_slow_mark(item) and item.get_closest_marker("slow") is None})
+    if unmarked:
+        raise pytest.UsageError("HTTP end-to-end and Ray tests must be marked `slow` (`make "
+                                "test-fast` skips them); unmarked ones in: " + ", ".join(unmarked))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

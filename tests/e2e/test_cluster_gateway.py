@@ -22,7 +22,9 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.server import build_cluster
-from tests.e2e.conftest import ZOO, running
+from tests.helpers.gateway import ZOO, running
+
+pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 

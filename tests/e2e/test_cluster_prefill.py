@@ -21,7 +21,9 @@ import redis
 from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.build import EngineOptions
 from services.deployment.server import build_cluster
-from tests.e2e.conftest import ZOO, running
+from tests.helpers.gateway import ZOO, running
+
+pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 REDIS_DB = 5            # this module's own database; flushed before the deployment starts

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -12,23 +11,11 @@ import torch
 from kernels.sampling import SamplingParams
 from services.engine import GenerationParams, LLMEngine
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tests.helpers.gateway import MODEL, ZOO, client, running, wait_idle
 
-MODEL = "smollm2-135m"
+pytestmark = pytest.mark.slow
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def client(base):
-    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-
-
-def wait_idle(gateway, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        eng = gateway.backend.engine
-        if not eng.has_unfinished() and not gateway.backend.streams:
-            return eng
-        time.sleep(0.05)
-    raise AssertionError("engine still busy")
 
 
 def test_models_and_health(server):
@@ -516,7 +503,6 @@ def test_api_key_guards_the_v1_routes():
     """`--api-key`: /v1/ needs the bearer token (401 otherwise, nothing runs); /health and
     /metrics stay open for probes and scrapers."""
     from services.deployment.server import build_embedded
-    from tests.e2e.conftest import ZOO, running
 
     app = build_embedded(ZOO, served_name=MODEL, api_key="s3cret")
     with running(app) as base:

@@ -9,8 +9,9 @@ import openai
 import pytest
 
 from services.deployment.server import build_embedded
-from tests.e2e.conftest import ZOO, running
-from tests.e2e.test_gateway import MODEL, client, wait_idle
+from tests.helpers.gateway import MODEL, ZOO, client, running, wait_idle
+
+pytestmark = pytest.mark.slow
 
 DOCUMENT = "".join(f"Record {i}: the {c} {a} lives in room {100 + 7 * i}.\n"
                    for i, (c, a) in enumerate(zip(["red", "green", "blue", "amber", "violet"] * 8,

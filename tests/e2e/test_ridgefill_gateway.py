@@ -9,7 +9,9 @@ from services.common.tokenizer import load_tokenizer
 from services.deployment.server import build_embedded
 from services.prefill.maps import CalibConfig, calibrate
 from services.prefill.service import PrefillConfig
-from tests.e2e.conftest import ZOO, running
+from tests.helpers.gateway import ZOO, running
+
+pytestmark = pytest.mark.slow
 
 MODEL = "smollm2-135m"
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 import json
 import textwrap
 
+import pytest
+
 from tests.fresh import run_fresh
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent("""
     import json, resource, sys, tempfile

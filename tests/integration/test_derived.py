@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from models import load_model
@@ -17,6 +18,7 @@ def test_deltas_fit_the_git_budget():
     assert 0 < total <= 60 * 2 ** 20
 
 
+@pytest.mark.slow
 def test_qknorm_checkpoint_loads_in_hf_and_matches():
     from transformers import AutoModelForCausalLM
 
@@ -34,6 +36,7 @@ def test_qknorm_checkpoint_loads_in_hf_and_matches():
     assert not torch.allclose(w, torch.ones_like(w))
 
 
+@pytest.mark.slow
 def test_qknorm_delta_rebuilds_the_checkpoint_exactly(tmp_path):
     """`apply-qknorm` (what make setup runs) reproduces the zoo checkpoint bit for bit, the
     ballast rows included, and each layer's ballast pair stays out of q·k."""
@@ -54,6 +57,7 @@ def test_qknorm_delta_rebuilds_the_checkpoint_exactly(tmp_path):
             assert torch.all(zoo[key.replace("q_proj.ballast_rows", "q_norm.weight")][dims] == 0)
 
 
+@pytest.mark.slow
 def test_qknorm_distillation_recovers_the_parent():
     """On held-out text the ballast-pair calibration alone keeps the child close to the
     parent (plain least-squares QK-norm was at KL 1.45), and the distilled child is closer

@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from models import load_model
@@ -15,7 +16,9 @@ from services.common.transport import make_transport
 from services.gateway.cluster_backend import ClusterBackend
 from services.mlp_pool import MLPPool
 from services.mlp_pool.metrics import MeteredPool, PoolMetrics
-from tests.integration.test_qfirst_grpc import PARAMS, prompts
+from tests.helpers.pools import PARAMS, prompts
+
+pytestmark = pytest.mark.slow
 
 
 def test_local_pool_metrics_reach_the_gateway(tiny_checkpoint):

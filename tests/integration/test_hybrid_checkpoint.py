@@ -22,6 +22,7 @@ def test_delta_fits_its_budget():
     assert 0 < DELTA.stat().st_size <= 35 * 2 ** 20
 
 
+@pytest.mark.slow
 def test_layout_is_three_gdn_to_one_attention():
     """Every fourth layer keeps attention, at the phase the delta records."""
     from tools.zoo.derive_hybrid import LEGACY_FA_PHASE, delta_recipe
@@ -42,6 +43,7 @@ def _hf(dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(HYBRID, dtype=dtype, output_loading_info=True)
 
 
+@pytest.mark.slow
 def test_hf_loads_it_unchanged_and_matches():
     from evals.corpus import documents
     from services.common.tokenizer import load_tokenizer
@@ -57,6 +59,7 @@ def test_hf_loads_it_unchanged_and_matches():
     assert (load_model(HYBRID).forward(ids) - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_every_layer_matches_hf_on_hf_inputs():
     """Layer by layer, fed HF's own hidden states, our layers give HF's next hidden state to
     fp32 rounding. End to end the two can drift further on some texts (about 1e-3 on TEXT):
@@ -88,6 +91,7 @@ def test_every_layer_matches_hf_on_hf_inputs():
         assert (err <= 5e-6 * scale + 2e-5).all(), (l, err.max().item())
 
 
+@pytest.mark.slow
 def test_heldout_loss_is_near_the_parent():
     """A real language model: on held-out text its per-token loss stays within a stated
     margin of the parent's (and far from the ~10.8 nat of a uniform guess)."""
@@ -99,6 +103,7 @@ def test_heldout_loss_is_near_the_parent():
     assert m["child_loss"] <= m["parent_loss"] + LOSS_MARGIN
 
 
+@pytest.mark.slow
 def test_rebuild_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 
@@ -119,6 +124,7 @@ def test_layer_types_keep_every_fourth_layer_at_the_phase():
         layer_types(30, 4)
 
 
+@pytest.mark.slow
 def test_distillation_steps_run_and_train(tmp_path):
     """`derive hybrid` trains through the chunked delta rule: two logit steps continued
     from the zoo's delta (one retrieval item, short windows) run, write a delta that

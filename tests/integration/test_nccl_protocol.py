@@ -30,12 +30,11 @@ from services.deployment.build import EngineOptions, build_engine
 from services.mlp_pool.grpc_server import serve_pool
 from services.prefill.server import (PendingTransfers, PrefillClient, PrefillFailed,
                                      serve_prefill)
-from tests.integration.test_prefill_service import PARAMS as PREFILL_PARAMS
-from tests.integration.test_prefill_service import attention as prefill_attention
-from tests.integration.test_prefill_service import no_leaks as no_prefill_leaks
-from tests.integration.test_prefill_service import prompts as prefill_prompts
-from tests.integration.test_qfirst_grpc import (PARAMS, generate_stopping_after_prefill,
-                                                prompts)
+from tests.helpers.pools import PARAMS, generate_stopping_after_prefill, prompts
+from tests.helpers.prefill import PARAMS as PREFILL_PARAMS
+from tests.helpers.prefill import attention as prefill_attention
+from tests.helpers.prefill import no_leaks as no_prefill_leaks
+from tests.helpers.prefill import prompts as prefill_prompts
 
 
 class LoopbackLink:
@@ -128,6 +127,7 @@ def tensor_bytes(msg) -> int:
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
 def test_nccl_protocol_matches_exact_engine(family, tiny_checkpoint, nccl_pools):
     path, _ = tiny_checkpoint(family)
@@ -151,6 +151,7 @@ def test_nccl_protocol_matches_exact_engine(family, tiny_checkpoint, nccl_pools)
         assert st.link.received == sum(len(r.tensors) for r in st.control_in) > 0
 
 
+@pytest.mark.slow
 def test_nccl_protocol_seeded_sampling(tiny_checkpoint, nccl_pools):
     """The `final` stage carries the generators' states on gRPC and the logits over the
     link: seeded sampling gives the exact engine's tokens."""
@@ -165,6 +166,7 @@ def test_nccl_protocol_seeded_sampling(tiny_checkpoint, nccl_pools):
     assert [r.output_ids for r in service.generate(prompts(), params)] == ref
 
 
+@pytest.mark.slow
 def test_nccl_protocol_dead_replica_is_retried(tiny_checkpoint, nccl_pools):
     path, _ = tiny_checkpoint("qwen3_next")
     model = load_model(path)
@@ -212,6 +214,7 @@ def nccl_prefill():
         loop.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama3", "qwen3_next"])
 def test_nccl_prefill_matches_exact_engine(family, tiny_checkpoint, nccl_prefill):
     """Four prompts prefilled concurrently by one replica, their KV and GDN states pulled
@@ -248,6 +251,7 @@ def test_nccl_prefill_matches_exact_engine(family, tiny_checkpoint, nccl_prefill
     no_prefill_leaks(engine, service)
 
 
+@pytest.mark.slow
 def test_nccl_prefill_pull_is_checked(tiny_checkpoint, nccl_prefill):
     """A pull for another count or another peer sends nothing and drops the transfer; a
     transfer is pulled once; a replica without links refuses an nccl prefill."""

@@ -8,9 +8,9 @@ import torch
 from models import load_model
 from services.deployment.ray_cluster import ClusterConfig, deploy
 from services.engine import LLMEngine
-from tests.integration.test_ray_deploy import PARAMS, assert_no_leaks, prompts, run_concurrently
+from tests.helpers.cluster import PARAMS, assert_no_leaks, prompts, run_concurrently
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2,
                                  reason="the nccl transport needs two CUDA devices")]
 

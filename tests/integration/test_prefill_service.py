@@ -17,25 +17,18 @@ from prometheus_client import CollectorRegistry
 from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.server import serve_attention
-from services.attention.runner import qfirst_engine
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.build import EngineOptions, build_engine
-from services.mlp_pool import MLPPool
 from services.common.codec import options_to_proto
 from services.common.messages import RemotePrefill
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
                                      PrefillFailed, PrefillRefused, serve_prefill)
-from tests.conftest import FAMILIES
+from tests.helpers.checkpoints import FAMILIES
+from tests.helpers.prefill import PARAMS, attention, no_leaks, prompts
 
-PARAMS = GenerationParams(max_tokens=8, ignore_eos=True, return_logits=True)
-
-
-def prompts(lengths=(7, 30, 12, 19), seed=3):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lengths]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -57,24 +50,11 @@ def servers():
         loop.shutdown()
 
 
-def attention(model, num_shards=2):
-    engine = qfirst_engine(model, make_transport("local", [MLPPool(model, "pool-0")]),
-                           num_shards=num_shards, block_size=4, num_blocks=64)
-    return engine
-
-
 def decode_prefilled(service, client, batch, params=PARAMS, options=pb.PrefillOptions()):
     ids = [service.add_request(p, params, prefilled=client.prefill(p, options)) for p in batch]
     while service.has_unfinished():
         service.step()
     return [service.pop(i) for i in ids]
-
-
-def no_leaks(*engines):
-    """Every block back in each engine (the prefill replica's, the attention service's)."""
-    for engine in engines:
-        engine.blocks.check()
-        assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -4,19 +4,17 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from uuid import uuid4
 
 import pytest
-import redis
 import torch
-from prometheus_client import CollectorRegistry
 
-from services.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheMetrics
+from services.prefix_cache import PrefixCache
 from services.prefix_cache.block import block_key, root_key
+from tests.helpers.redis_tier import BS
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
+pytestmark = pytest.mark.slow
+
 F, KV, D, G, H = 2, 2, 4, 3, 8
-BS = 16
 
 
 def rows(n: int, seed: int = 0):
@@ -38,51 +36,19 @@ def errors(cache: PrefixCache, kind: str) -> float:
         "splitstack_prefix_cache_errors_total", {"tier": "redis", "kind": kind}) or 0.0
 
 
-@pytest.fixture
-def client():
-    c = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
-    try:
-        c.ping()
-    except redis.exceptions.RedisError as e:
-        pytest.skip(f"no Redis at {REDIS_URL}: {e}")
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def make_cache(client):
-    """PrefixCache factory over a key prefix of its own; its keys are deleted afterwards."""
-    prefix = f"splitstack-test:{uuid4().hex}"
-    caches = []
-
-    def make(url=REDIS_URL, namespace="model-a", **kw):
-        cache = PrefixCache(PrefixCacheConfig(namespace=namespace, block_size=BS, redis_url=url,
-                                              redis_prefix=prefix, **kw),
-                            PrefixCacheMetrics(CollectorRegistry()))
-        caches.append(cache)
-        return cache
-
-    make.prefix = prefix
-    yield make
-    for cache in caches:
-        cache.close()
-    keys = list(client.scan_iter(match=f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_second_replica_finds_the_entry_in_redis(make_cache, client):
+def test_second_replica_finds_the_entry_in_redis(make_cache, redis_client):
     tokens = prompt(50)
     kv, hid, prov = rows(50)
     first = make_cache(redis_ttl_s=600)
     assert first.insert(tokens, kv, hid, prov).redis_tokens == 50
-    assert 0 < client.ttl(f"{make_cache.prefix}:blk:{block_key(first.root, BS, tokens[:16])}")
+    key = f"{make_cache.prefix}:blk:{block_key(first.root, BS, tokens[:16])}"
+    assert 0 < redis_client.ttl(key)
     second = make_cache()
     with second.lookup(tokens) as hit:
         assert (hit.length, hit.tier) == (50, "redis")
@@ -102,17 +68,17 @@ def test_second_replica_finds_the_entry_in_redis(make_cache, client):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
-def test_damaged_value_is_a_miss(make_cache, client, damage):
+def test_damaged_value_is_a_miss(make_cache, redis_client, damage):
     tokens = prompt(50)
     kv, hid, prov = rows(50)
     writer = make_cache()
     writer.insert(tokens, kv, hid, prov)
     name = f"{make_cache.prefix}:blk:{block_key(root_key('model-a'), BS, tokens[:16])}"
-    value = client.get(name)
+    value = redis_client.get(name)
     if damage == "flip":
-        client.setrange(name, len(value) // 2, bytes([value[len(value) // 2] ^ 0xFF]))
+        redis_client.setrange(name, len(value) // 2, bytes([value[len(value) // 2] ^ 0xFF]))
     else:
-        client.set(name, value[:len(value) // 2] if damage == "truncate" else b"\x00" * 64)
+        redis_client.set(name, value[:len(value) // 2] if damage == "truncate" else b"\x00" * 64)
     reader = make_cache()
     assert reader.lookup(tokens) is None
     assert errors(reader, "corrupt") == 1
@@ -181,13 +147,13 @@ def test_silent_server_times_out_within_a_second(make_cache):
         server.close()
 
 
-def test_damaged_child_index_entries_are_skipped(make_cache, client):
+def test_damaged_child_index_entries_are_skipped(make_cache, redis_client):
     tokens = prompt(20)
     kv, hid, prov = rows(20)
     make_cache().insert(tokens, kv, hid, prov)
     root = root_key("model-a")
-    client.hset(f"{make_cache.prefix}:kids:{root}", mapping={"odd": b"\x01\x02\x03",
-                                                             b"\xff\xfe": b"\x00" * 8})
+    redis_client.hset(f"{make_cache.prefix}:kids:{root}",
+                      mapping={"odd": b"\x01\x02\x03", b"\xff\xfe": b"\x00" * 8})
     reader = make_cache()
     with reader.lookup(tokens[:5] + prompt(10, seed=1)) as hit:
         assert hit.length == 5 and torch.equal(hit.kv(), kv[:, :, :5])

@@ -10,32 +10,16 @@ from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
-from tests.conftest import FAMILIES
+from tests.helpers.checkpoints import FAMILIES, qfirst_copy
+from tests.helpers.pools import PARAMS, generate_stopping_after_prefill, prompts
 
-PARAMS = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True)
-
-
-def prompts():
-    gen = torch.Generator().manual_seed(3)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (7, 30, 12, 19)]
+pytestmark = pytest.mark.slow
 
 
 def service_over_grpc(model, servers, num_shards=2):
     engine = qfirst_engine(model, make_transport("grpc", [a for _, a in servers]),
                            num_shards=num_shards, block_size=4, num_blocks=64)
     return engine, engine.runner.shards
-
-
-def generate_stopping_after_prefill(service, stop) -> list[list[int]]:
-    """Greedy decode of `prompts()`, calling `stop()` (a replica dies) once the prefill
-    step, which goes through every replica, has run."""
-    for p in prompts():
-        service.add_request(p, PARAMS)
-    service.step()
-    stop()
-    while service.has_unfinished():
-        service.step()
-    return [service.seqs[i].output_ids for i in sorted(service.seqs)]
 
 
 @pytest.fixture
@@ -95,8 +79,6 @@ def test_seeded_sampling_over_grpc_matches_local(tiny_checkpoint, pool_servers):
 def test_qfirst_wiring_over_grpc_overlaps_and_matches(tiny_checkpoint, pool_servers, tmp_path):
     """Q-first over gRPC: the stage call is sent before the sweep and read after it; the
     tokens and logits still equal the exact engine on the q-first checkpoint."""
-    from tests.unit.test_qfirst_wiring import qfirst_copy
-
     path, _ = tiny_checkpoint("qwen3_5")
     model = load_model(qfirst_copy(path, tmp_path / "qfirst"))
     ref = LLMEngine(model).generate(prompts(), PARAMS)

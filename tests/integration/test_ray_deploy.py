@@ -6,43 +6,17 @@ import re
 
 import grpc
 import pytest
-import torch
 
 from models import load_model
-from services.common.codec import params_to_proto
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.deployment.ray_cluster import ClusterConfig, deploy
 from services.engine import GenerationParams, LLMEngine
-
-PARAMS = GenerationParams(max_tokens=8, ignore_eos=True)
-
-
-def prompts():
-    gen = torch.Generator().manual_seed(5)
-    return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (6, 27, 11, 18)]
+from tests.helpers.checkpoints import qfirst_copy
+from tests.helpers.cluster import PARAMS, assert_no_leaks, generate, prompts, run_concurrently
 
 
-def generate(address: str, ids: list[int], params: GenerationParams = PARAMS):
-    """(tokens, events) of one request over the attention service's gRPC stream."""
-    with grpc.insecure_channel(address) as channel:
-        events = list(pb_grpc.AttentionStub(channel).Generate(params_to_proto(ids, params)))
-    return [e.token for e in events if e.has_token], events
-
-
-def run_concurrently(address: str, all_ids):
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(all_ids)) as ex:
-        return list(ex.map(lambda ids: generate(address, ids)[0], all_ids))
-
-
-def assert_no_leaks(ray, cluster):
-    for actor in cluster.attention:
-        free, total = ray.get(actor.blocks.remote())
-        assert free == total
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("family,transport", [("qwen3_next", "grpc"), ("llama3", "local")])
 def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ray_session):
     path, _ = tiny_checkpoint(family)
@@ -70,9 +44,8 @@ def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ra
         cluster.shutdown()
 
 
+@pytest.mark.slow
 def test_refused_request_and_wiring(tiny_checkpoint, ray_session, tmp_path):
-    from tests.unit.test_qfirst_wiring import qfirst_copy
-
     path, _ = tiny_checkpoint("qwen3_5")
     qpath = qfirst_copy(path, tmp_path / "qfirst")
     ref = [s.output_ids for s in LLMEngine(load_model(qpath)).generate(prompts()[:2], PARAMS)]
@@ -123,6 +96,7 @@ def test_serve_refuses_bad_prefill_flags_before_starting_anything(capsys):
     assert exc.value.code == 2 and "argument --replay-ratio" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_wildcard_binds_are_advertised_as_the_node_ip(ray_session):
     from services.deployment.ray_cluster import _advertised
 

@@ -21,6 +21,7 @@ def smollm2():
     return load_model(ZOO)
 
 
+@pytest.mark.slow
 def test_logits_match_hf_reading_the_same_gguf(smollm2):
     from transformers import AutoModelForCausalLM
 
@@ -35,6 +36,7 @@ def test_logits_match_hf_reading_the_same_gguf(smollm2):
     assert (smollm2.forward(ids) - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_config_and_tokenizer(smollm2):
     cfg = smollm2.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads,
@@ -45,6 +47,7 @@ def test_config_and_tokenizer(smollm2):
     assert eos_token_ids(ZOO) == (tok.convert_tokens_to_ids("<|im_end|>"),)
 
 
+@pytest.mark.slow
 def test_chat_answer_is_sensible(smollm2):
     tok = load_tokenizer(ZOO)
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

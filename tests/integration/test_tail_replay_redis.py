@@ -7,8 +7,9 @@ import torch
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefix_cache import PrefixCache, PrefixCacheConfig
-from tests.integration.test_prefix_cache_redis import client, make_cache  # noqa: F401
-from tests.unit.test_tail_replay import INTERLEAVED, hit_tokens, prompt
+from tests.helpers.tail_replay import INTERLEAVED, hit_tokens, prompt
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("family,layout", [("qwen3", None), ("qwen3_5", INTERLEAVED)])

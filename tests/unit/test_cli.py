@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from kernels.sampling import SamplingParams
 from models import load_model
@@ -23,6 +22,7 @@ def run_cli(*args):
                           text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
 
 
+@pytest.mark.slow
 def test_generate_token_ids_matches_engine(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_5")
     proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2,3,4",
@@ -35,6 +35,7 @@ def test_generate_token_ids_matches_engine(tiny_checkpoint):
     assert "finish_reason=length" in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_penalties_matches_engine(tiny_checkpoint):
     """SmolLM2 lists numbers in a loop; --repetition-penalty changes the answer exactly as
     the engine does with the same settings."""
@@ -60,6 +61,7 @@ def test_generate_with_penalties_matches_engine(tiny_checkpoint):
     assert bad.returncode == 2 and "presence_penalty must be in [-2, 2]" in bad.stderr
 
 
+@pytest.mark.slow
 def test_generate_rejects_overlong_request(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2",
@@ -67,6 +69,7 @@ def test_generate_rejects_overlong_request(tiny_checkpoint):
     assert proc.returncode == 2 and "max_tokens" in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_bad_token_ids_message(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     proc = run_cli("generate", "--model", str(path), "--token-ids", "1,x")
@@ -110,6 +113,7 @@ def test_apply_hybrid_rebuilds_from_the_given_delta(monkeypatch, tmp_path):
     assert seen == [(str(tmp_path / "m"), "old.safetensors")]
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_error_line_not_a_traceback(tiny_checkpoint, tmp_path, capsys,
                                                      monkeypatch):
     """Every subcommand reports bad settings and missing files as `error: ...` and exit 2;

@@ -7,7 +7,7 @@ import torch
 from kernels.sampling import History, SamplingParams, process_logits
 from models import load_model
 from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
-from tests.conftest import FAMILIES
+from tests.helpers.checkpoints import FAMILIES
 
 GREEDY_31 = GenerationParams(max_tokens=31, ignore_eos=True, return_logits=True)
 

@@ -44,6 +44,7 @@ def test_dense_reuse_is_exact(tiny_checkpoint):
         torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_exact_arm_holds_an_item_at_the_full_context_and_configs_are_checked():
     """The exact arm's engine fits one item at the model's whole context (SmolLM2's 8K is
     past the engine's default 256 MiB cache, 5.8K tokens); bad eval sizes are refused."""

@@ -12,7 +12,7 @@ from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.maps import RidgeMaps
 from services.prefill.ridgefill import RidgeFill
 from services.prefill.settings import FillSettings
-from tests.unit.test_ridgefill import FAMILIES, prompt
+from tests.helpers.ridgefill import FAMILIES, prompt
 
 pytestmark = pytest.mark.gpu
 

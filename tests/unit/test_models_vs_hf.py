@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models import CheckpointError, ConfigError, ModelConfig, load_model
-from tests.conftest import FAMILIES
+from tests.helpers.checkpoints import FAMILIES
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

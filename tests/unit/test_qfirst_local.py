@@ -13,7 +13,7 @@ from services.common.transport import PoolUnavailable, make_transport
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.runner import CacheLayout
 from services.mlp_pool import MLPPool
-from tests.conftest import FAMILIES
+from tests.helpers.checkpoints import FAMILIES
 
 PARAMS = GenerationParams(max_tokens=12, ignore_eos=True, return_logits=True)
 

@@ -1,9 +1,6 @@
 """Q-first wiring: layer l's query reads the previous feed-forward's input (seed 003, §6)."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -12,16 +9,9 @@ from services.attention.runner import qfirst_engine
 from services.common.transport import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
+from tests.helpers.checkpoints import qfirst_copy
 
 PARAMS = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True)
-
-
-def qfirst_copy(src, dst):
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["splitstack_wiring"] = "qfirst"
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 @pytest.fixture(params=["qwen3", "qwen3_5"])

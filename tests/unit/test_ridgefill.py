@@ -16,12 +16,7 @@ from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, c
 from services.prefill.ridgefill import RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
 from services.prefill.settings import FillError, FillSettings
-
-FAMILIES = ["qwen3", "llama3", "qwen3_next", "qwen3_5"]
-
-
-def prompt(n, seed=0):
-    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from tests.helpers.ridgefill import FAMILIES, prompt
 
 
 # ---- fill disabled == exact engine, bitwise ------------------------------------------------

@@ -15,9 +15,8 @@ from services.prefix_cache import PrefixCache, PrefixCacheConfig, PrefixCacheMet
 from services.prefix_cache.replay import (Group, ReplayError, TailReplayConfig, continue_prefill,
                                           groups, hidden_layers, prompt_rows, replay_len,
                                           tail_replay)
+from tests.helpers.tail_replay import INTERLEAVED, hit_tokens, prompt
 
-L, F = "linear_attention", "full_attention"
-INTERLEAVED = (L, F, L, L, F, L)   # a leading group, a two-layer group, a one-layer group
 GREEDY = GenerationParams(max_tokens=4, ignore_eos=True, return_logits=True)
 ONE = GenerationParams(max_tokens=1, ignore_eos=True)
 
@@ -40,18 +39,9 @@ def checkpoint(tmp_path_factory, tiny_configs):
     return get
 
 
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(0, 1024, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def make_cache(**kw) -> PrefixCache:
     return PrefixCache(PrefixCacheConfig(namespace="tiny", block_size=16, **kw),
                        PrefixCacheMetrics(CollectorRegistry()))
-
-
-def hit_tokens(cache: PrefixCache, tier: str = "memory") -> float:
-    return cache.metrics.registry.get_sample_value(
-        "splitstack_prefix_cache_hit_tokens_total", {"tier": tier}) or 0.0
 
 
 def logits(seq) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""A served gateway: SmolLM2 on a free loopback port, and the official `openai` client."""
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import uvicorn
+
+ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
+MODEL = "smollm2-135m"
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve `app` with uvicorn on a free loopback port; yields the base URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    try:
+        yield base
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        app.state.gateway.backend.shutdown()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_idle(gateway, timeout=20.0):
+    """The embedded engine once it has no request and the gateway no stream left."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        eng = gateway.backend.engine
+        if not eng.has_unfinished() and not gateway.backend.streams:
+            return eng
+        time.sleep(0.05)
+    raise AssertionError("engine still busy")
