@@ -119,25 +119,29 @@ class Gateway:
                        arrival: float, include_stop: bool = False, skip_special: bool = True):
         """Yields `Delta`s (new text, finish reason, tokens generated so far, and with
         `params.logprobs` the new tokens' log-probs); aborts the request when closed early.
-        The text ends before the first stop string found after `params.min_tokens` tokens
-        (after it with `include_stop`)."""
+        The text ends before the first stop string to end after `params.min_tokens` tokens
+        (after it with `include_stop`); text that may still begin one is held back until it
+        cannot. The request is counted once, under its outcome, and is running from its
+        admission to its last delta."""
         try:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
             raise APIError(400, str(exc), exc.field) from exc
         self.metrics.prompt_tokens.inc(len(ids))
+        self.metrics.running.inc()
         detok = IncrementalDetokenizer(self.tokenizer, skip_special)
         stop = StopStrings(stops, include_stop)
         count = 0                              # tokens generated
         entries: list[TokenLogprob] = []       # tokens not yet sent with a delta
         prompt = None                          # the prompt's log-probs, for the first delta
-        last, finished = None, False
+        last, finished = None, False           # finished: the engine has let the request go
+        outcome = "abort"                      # what the request is counted as
         try:
             while True:
                 step = await out.get()
                 now = time.perf_counter()
                 if step.error:
-                    self.metrics.requests.labels("error").inc()
+                    finished, outcome = step.finished, "error"
                     raise APIError(500, f"generation failed: {step.error}", type_="server_error")
                 new = ""
                 if step.token is not None:
@@ -153,26 +157,28 @@ class Gateway:
                         prompt = step.prompt_logprobs
                     new = detok.add(step.token)
                 reason = step.finish_reason if step.finished else None
+                if reason:
+                    new += detok.pending       # the stream's last bytes, complete or not
                 # stop strings ending within the first min_tokens tokens come too early
-                text, stopped = stop.feed(new, detok.pending, armed=count > params.min_tokens)
+                text, stopped = stop.feed(new, armed=count > params.min_tokens)
                 if stopped:
                     reason = "stop"
                 elif reason:
-                    text += detok.pending      # the stream's last bytes, complete or not
+                    text += stop.flush()
+                if reason:     # settled before the last yield: the caller may close there
+                    finished, outcome = step.finished, reason
+                    self.metrics.e2e.observe(now - arrival)
                 if text or reason:
                     yield Delta(text, reason, count, entries, prompt)
                     entries, prompt = [], None
                 if reason:
-                    finished = step.finished
-                    self.metrics.e2e.observe(now - arrival)
-                    self.metrics.requests.labels(reason).inc()
                     return
         finally:
-            if not finished:
+            if not finished:           # a stop string, a client gone, or a failed stream
                 self.backend.abort(seq_id)
-                self.metrics.requests.labels("abort").inc()
+            self.metrics.requests.labels(outcome).inc()
+            self.metrics.running.dec()
             self.metrics.kv_usage.set(self.backend.kv_usage())
-            self.metrics.running.set(self.backend.num_running())
 
 
 class Delta(NamedTuple):

@@ -166,28 +166,25 @@ def generate(tokenizer, tokens, stops=(), min_tokens=0, include=False, skip=True
 
 
 def reference(tokenizer, tokens, stops, min_tokens, include, skip):
-    """(text sent, finish reason, tokens generated) as the gateway computed them by decoding
-    the whole output at every step: a stop string counts when it ends after the text of the
-    first `min_tokens` tokens, and text already sent stays sent."""
-    pieces, sent, floor = [], "", 0
-    for k in range(1, len(tokens) + 1):
-        text = tokenizer.decode(tokens[:k], skip_special_tokens=skip)
-        reason = "length" if k == len(tokens) else None
-        if k <= min_tokens:
-            floor = len(text)
-        else:
-            hit = [(at, s) for s in stops if s and
-                   (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
-            if hit:
-                at, stop = min(hit)
-                text, reason = text[:at + (len(stop) if include else 0)], "stop"
-        if text.endswith("\ufffd") and reason is None:
-            continue
-        if len(text) > len(sent) or reason:
-            pieces.append(text[len(sent):])
-            sent = text
-        if reason:
-            return "".join(pieces), reason, k
+    """(text sent, finish reason, tokens generated) from the whole output decoded at once:
+    the text ends at the first stop string to end after the text of the first `min_tokens`
+    tokens (the longest of those ending at one character), before it (after it with
+    `include`); the count is the token that completed it. No part of a stop string is sent
+    (issue 29)."""
+    detok, ends, total = IncrementalDetokenizer(tokenizer, skip), [], 0
+    for t in tokens:                       # final text after each token
+        total += len(detok.add(t))
+        ends.append(total)
+    text = tokenizer.decode(tokens, skip_special_tokens=skip)
+    ends[-1] = len(text)
+    floor = ends[min_tokens - 1] if min_tokens else 0
+    hits = [(at + len(s), -len(s), at) for s in stops
+            if s and (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+    if not hits:
+        return text, "length", len(tokens)
+    end, _, at = min(hits)
+    return (text[:end if include else at], "stop",
+            next(k for k, e in enumerate(ends, 1) if e >= end))
 
 
 def test_gateway_stream_of_2000_tokens_decodes_O_n_tokens(tokenizer):

@@ -1,0 +1,98 @@
+"""Issue 29, finding 4: the gateway's request metrics count each request once, under its
+real outcome, and `splitstack_requests_running` is exact (0 when idle).
+
+A played-back engine stands in for the model; the counts are read from the registry."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.messages import StepOutput
+from services.common.tokenizer import load_tokenizer
+from services.engine import GenerationParams
+from services.gateway.gateway import Gateway
+from services.gateway.protocol import APIError
+from tests.unit.test_stops import ZOO, FakeEngine
+
+
+class FailingEngine(FakeEngine):
+    """Plays back its tokens, then fails the request."""
+
+    async def submit(self, prompt_ids, params):
+        out: asyncio.Queue = asyncio.Queue()
+        for t in self.tokens:
+            out.put_nowait(StepOutput(0, t, -1.0, False, None))
+        out.put_nowait(StepOutput(0, None, None, True, "abort", error="shard lost"))
+        return 0, out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ZOO)
+
+
+def counts(gateway: Gateway) -> dict[str, float]:
+    """`splitstack_requests_total` by status, and `splitstack_requests_running`."""
+    out = {}
+    for metric in gateway.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == "splitstack_requests_total":
+                out[s.labels["status"]] = s.value
+            elif s.name == "splitstack_requests_running":
+                out["running"] = s.value
+    return {k: v for k, v in out.items() if v}
+
+
+def served(tokenizer, engine, text=" 6, 7, 8, 9"):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    engine.tokens = ids
+    return Gateway(engine, tokenizer, "m", 4096), GenerationParams(max_tokens=len(ids))
+
+
+def test_a_stop_string_counts_as_stop_only(tokenizer):
+    """The issue's case: it was counted under both `stop` and `abort`, and left
+    `requests_running` at 1 (the engine still held the request when the gauge was read)."""
+    gateway, params = served(tokenizer, FakeEngine([]))
+
+    async def run():
+        return [d async for d in gateway.generate([1], params, ["7, 8"], 0.0)]
+
+    assert asyncio.run(run())[-1].reason == "stop"
+    assert gateway.backend.aborted == [0]              # the engine is told to let it go
+    assert counts(gateway) == {"stop": 1}
+
+
+def test_each_outcome_once_and_running_while_streaming(tokenizer):
+    gateway, params = served(tokenizer, FakeEngine([]))
+
+    async def run():
+        whole = gateway.generate([1], params, [], 0.0)
+        gone = gateway.generate([1], params, [], 0.0)
+        one = gateway.generate([1], GenerationParams(max_tokens=1), [], 0.0)
+        await anext(whole)
+        await anext(gone)
+        assert counts(gateway) == {"running": 2}
+        await gone.aclose()                            # the client hung up
+        assert counts(gateway) == {"running": 1, "abort": 1}
+        assert [d async for d in whole][-1].reason == "length"
+        # a stream whose first delta is its last, closed there (a fan-out's first deltas)
+        gateway.backend.tokens = gateway.backend.tokens[:1]
+        assert (await anext(one)).reason == "length"
+        await one.aclose()
+
+    asyncio.run(run())
+    assert counts(gateway) == {"length": 2, "abort": 1}
+    assert gateway.backend.aborted == [0]               # only the one the client left
+
+
+def test_a_failed_request_counts_as_error_only(tokenizer):
+    gateway, params = served(tokenizer, FailingEngine([]))
+
+    async def run():
+        return [d async for d in gateway.generate([1], params, [], 0.0)]
+
+    with pytest.raises(APIError, match="shard lost"):
+        asyncio.run(run())
+    assert counts(gateway) == {"error": 1}
+    assert gateway.backend.aborted == []               # the engine had already let it go
