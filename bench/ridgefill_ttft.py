@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import load_model  # noqa: E402
 from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
 from services.common.process import flush_denormals, keep_freed_memory  # noqa: E402
-from services.prefill.maps import CalibConfig, calibrate  # noqa: E402
+from tools.calibration import CalibConfig, calibrate  # noqa: E402
 from services.prefill.settings import FillSettings  # noqa: E402
 from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
 

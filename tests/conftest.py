@@ -11,7 +11,7 @@ import torch
 
 from models import load_model
 from models.random_checkpoint import load_configs, save_random_checkpoint
-from services.prefill.maps import CalibConfig, calibrate
+from tools.calibration import CalibConfig, calibrate
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -29,7 +29,6 @@ import itertools
 import json
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import torch
@@ -40,6 +39,7 @@ from models.config import ModelConfig
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, to_proto
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.engine.driver import QueueDriver
 from services.engine import GenerationParams, LLMEngine, PromptExport
 from services.prefill.metrics import PREFILL_BUCKETS
@@ -245,19 +245,19 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
 def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
                   address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64,
-                  nccl=None):
+                  nccl=None, security: GrpcSecurity = INSECURE):
     """Start the engine's step loop and a gRPC server for it (and for its prefix cache, if
     it has one); returns (server, bound address, loop). Each call in flight holds one
-    handler thread. `nccl`: the replica's `NcclEndpoint`, for the nccl transport."""
+    handler thread. `nccl`: the replica's `NcclEndpoint`, for the nccl transport.
+    `security`: the token calls must carry, and TLS."""
     loop = QueueDriver(engine, f"{name}-steps")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=GRPC_OPTIONS)
+    server = security.server(max_workers, options=GRPC_OPTIONS)
     pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry, nccl),
                                           server)
     if engine.prefix is not None:
         pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
                                                   server)
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop
 
@@ -294,14 +294,15 @@ class PrefillClient:
 
     `links` (nccl transport): one `NcclLink` per replica, this side's end, and `peer` the
     name the replicas know this side by; the KV and states then come over the link,
-    received on `device`."""
+    received on `device`. `security`: the token every call carries (the probes' too), and
+    TLS."""
 
     MAX_SKEW = 4           # calls in flight a cache hit may cost over the least loaded
     PROBE_TIMEOUT_S = 0.5
 
     def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype,
                  cache_aware: bool = False, links: list | None = None, peer: str = "",
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", security: GrpcSecurity = INSECURE):
         if not addresses:
             raise ValueError("a prefill client needs at least one prefill replica")
         if links is not None and (len(links) != len(addresses) or not peer):
@@ -310,7 +311,7 @@ class PrefillClient:
         self.links, self.peer = links, peer
         self._link_locks = [threading.Lock() for _ in addresses]
         self.addresses = list(addresses)
-        channels = [grpc.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+        channels = [security.channel(a, options=GRPC_OPTIONS) for a in self.addresses]
         self.stubs = [pb_grpc.PrefillStub(c) for c in channels]
         self.probes = ([pb_grpc.PrefixCacheStub(c) for c in channels]
                        if cache_aware and len(channels) > 1 else None)

@@ -7,7 +7,7 @@ import pytest
 from evals.corpus import documents
 from services.common.tokenizer import load_tokenizer
 from services.deployment.server import build_embedded
-from services.prefill.maps import CalibConfig, calibrate
+from tools.calibration import CalibConfig, calibrate
 from services.prefill.service import PrefillConfig
 from tests.helpers.gateway import ZOO, running
 

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
     import torch
     from models import load_model
     from models.random_checkpoint import load_configs, save_random_checkpoint
-    from services.prefill.maps import CalibConfig, calibrate
+    from tools.calibration import CalibConfig, calibrate
 
     torch.set_num_threads(1)
     n_docs = int(sys.argv[1])

@@ -101,7 +101,8 @@ def test_net_wants_four_shared_words_and_a_rare_one():
 def tiny_fill(tmp_path_factory, tiny_configs):
     from models import load_model
     from models.random_checkpoint import save_random_checkpoint
-    from services.prefill.maps import CalibConfig, RidgeMaps, calibrate
+    from services.prefill.maps import RidgeMaps
+    from tools.calibration import CalibConfig, calibrate
 
     cfg = dict(tiny_configs["llama3"], num_hidden_layers=4)
     path = tmp_path_factory.mktemp("lexicon")

@@ -10,13 +10,13 @@ from safetensors.torch import load_file
 from evals.ridgefill_arms import SplicedFill, greedy_from_prefill, map_cost_ratio
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.capture import exact_pass
-from services.prefill.maps import (CalibConfig, MapsError, Moments, RidgeMaps, calibrate,
-                                   calibrate_terminal, context_features, heldout_error, resolve,
-                                   solve)
+from services.prefill.maps import MapsError, RidgeMaps, context_features
 from services.prefill.ridgefill import RidgeFill
 from services.prefill.service import PrefillConfig, PrefillService
 from services.prefill.settings import FillError, FillSettings
 from tests.helpers.ridgefill import FAMILIES, prompt
+from tools.calibration import (CalibConfig, Moments, calibrate, calibrate_terminal, heldout_error,
+                               resolve, solve)
 
 
 # ---- fill disabled == exact engine, bitwise ------------------------------------------------

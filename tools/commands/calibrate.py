@@ -60,13 +60,14 @@ def calibration_docs(args: argparse.Namespace, tokenizer):
 
 def run(argv: list[str]) -> int:
     from services.prefill import maps as maps_mod
+    from tools import calibration
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     splits = args.splits
     if args.resolve:      # new λ from the saved sums; reads no text and no model
         for s in splits:
-            info = maps_mod.resolve(args.out, s, args.lam, args.map_dtype)
+            info = calibration.resolve(args.out, s, args.lam, args.map_dtype)
             print(json.dumps({"split": s, **info}))
         return 0
     from models import load_model
@@ -76,7 +77,7 @@ def run(argv: list[str]) -> int:
         raise ValueError("--model is required (unless --resolve)")
     model = load_model(args.model, dtype=DTYPES[args.dtype])
     tokenizer = load_tokenizer(args.model)
-    cfg = maps_mod.CalibConfig(splits=splits, max_len=args.max_len,
+    cfg = calibration.CalibConfig(splits=splits, max_len=args.max_len,
                                heldout_docs=args.heldout_docs, map_dtype=args.map_dtype,
                                lam=args.lam, sink_rows=args.sink_rows,
                                context_rows=args.context_rows)
@@ -90,12 +91,12 @@ def run(argv: list[str]) -> int:
         held = documents("calib")[args.max_docs:args.max_docs + args.terminal_docs]
         terminal = [tokenizer(d.text, add_special_tokens=False)["input_ids"][:args.max_len]
                     for d in held]
-    summary = maps_mod.calibrate(model, docs, cfg, args.out, log=log,
-                                 token_class=maps_mod.token_classes(
+    summary = calibration.calibrate(model, docs, cfg, args.out, log=log,
+                                 token_class=calibration.token_classes(
                                      tokenizer, model.config.vocab_size))
     for s in splits:
         if terminal:
-            maps_mod.calibrate_terminal(model, args.out, s, terminal, args.terminal_tail,
+            calibration.calibrate_terminal(model, args.out, s, terminal, args.terminal_tail,
                                         log=log)
     summary["seconds"] = round(time.perf_counter() - start, 1)
     print(json.dumps(summary, indent=2, default=str))
