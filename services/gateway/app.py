@@ -11,12 +11,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException
 
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.gateway import Gateway
+from services.gateway.openapi import document
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                       DetokenizeRequest, TokenizeRequest)
+                                       DetokenizeRequest, TokenizeRequest, validation_error)
 
 __all__ = ["Gateway", "RequireAPIKey", "build_app"]
 
@@ -54,16 +56,18 @@ def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(APIError(400, "request body is not valid JSON").body(), 400)
-        # `param` names the top-level field (OpenAI's); the message has the whole path
-        loc = first.get("loc", ())
-        loc = str(loc[1]) if len(loc) > 1 else None
-        msg = "; ".join(f"{'.'.join(map(str, e['loc'][1:]))}: {e['msg']}" for e in errors)
-        return JSONResponse(APIError(400, msg, loc).body(), status_code=400)
+    async def refused_body(_, exc: RequestValidationError):
+        return JSONResponse(validation_error(exc.errors()).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        """Starlette's own refusals (no such route or method, a body that is not UTF-8) in
+        the OpenAI shape too, rather than `{"detail": ...}`."""
+        where = f" ({request.method} {request.url.path})" if exc.status_code in (404, 405) else ""
+        error = APIError(exc.status_code, f"{exc.detail}{where}",
+                         type_="invalid_request_error" if exc.status_code < 500
+                         else "server_error")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     async def health():
@@ -78,11 +82,18 @@ def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         return Response(generate_latest(gateway.metrics.registry),
                         media_type="text/plain; version=0.0.4")
 
+    def card() -> dict:
+        return {"id": gateway.model_name, "object": "model", "created": 0,
+                "owned_by": "splitstack", "max_model_len": gateway.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": gateway.model_name, "object": "model",
-                                            "created": 0, "owned_by": "splitstack",
-                                            "max_model_len": gateway.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        gateway.check_model(model)
+        return card()
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -116,4 +127,5 @@ def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
     async def chat(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(gateway, req, request)
 
+    document(app)
     return app

@@ -48,13 +48,22 @@ class Gateway:
                                 f"{self.model_name!r}", "model", code="model_not_found")
 
     def params(self, req: _Common, prompt_len: int, max_tokens: int | None) -> GenerationParams:
+        """`max_tokens`: what the request asked for (None: up to the context length); a
+        refusal names the field the client sent it as (chat's `max_completion_tokens`)."""
         self.check_model(req.model)
         req.check_supported()
+        field = req.max_new_tokens()[1]
         if max_tokens is None:
-            max_tokens = max(1, self.max_model_len - prompt_len)
+            if prompt_len >= self.max_model_len:
+                raise APIError(400, f"the prompt ({prompt_len} tokens) leaves no room in the "
+                                    f"context length {self.max_model_len}",
+                               req.prompt_field())
+            max_tokens = self.max_model_len - prompt_len
         if max_tokens <= 0:
-            raise APIError(400, f"max_tokens must be a positive integer, got {max_tokens}",
-                           "max_tokens")
+            raise APIError(400, f"{field} must be a positive integer, got {max_tokens}", field)
+        if prompt_len + max_tokens > self.max_model_len:
+            raise APIError(400, f"prompt ({prompt_len} tokens) + {field} ({max_tokens}) "
+                                f"exceeds the context length {self.max_model_len}", field)
         try:
             temperature = (self.default_temperature if req.temperature is None
                            else req.temperature)
@@ -96,7 +105,9 @@ class Gateway:
         if self.prefill_service is None:
             if req.prefill_mode not in (None, "exact") or req.ridgefill:
                 raise APIError(400, "this server has no RidgeFill prefill service (start it "
-                                    "with --maps)", "prefill_mode")
+                                    "with --maps)",
+                               "ridgefill" if req.prefill_mode in (None, "exact")
+                               else "prefill_mode")
             return None
         try:
             return self.prefill_service.resolve(req.prefill_mode, req.ridgefill, prompt_len)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kernels.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
 
@@ -25,10 +25,54 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# pydantic names a union's members in an error's path ('str', 'list[int]',
+# 'function-after[...]'): not fields, so not part of the path a client is told
+_UNION_MEMBERS = {"str", "int", "float", "bool", "dict", "list"}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The 400 for a body pydantic refused (FastAPI's errors, paths under "body"): `param`
+    is the top-level field of the first error, as OpenAI names it; the message lists each
+    error with its path. A value that has one of a union's types but is refused by it
+    (a prompt string with a lone surrogate) is reported alone, without the type errors of
+    the members it did not match."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return APIError(400, "request body is not valid JSON")
+    found = []                     # (path, message, a type error), in the errors' order
+    for e in errors:
+        path = [str(p) for p in e.get("loc", ())[1:]
+                if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBERS))]
+        msg = e.get("msg", "invalid").removeprefix("Value error, ")
+        found.append((path, msg, e.get("type", "").endswith("_type")))
+    for field in {p[0] for p, _, _ in found if p}:
+        mine = [f for f in found if f[0][:1] == [field]]
+        if not all(wrong_type for _, _, wrong_type in mine):
+            found = [f for f in found if f not in mine or not f[2]]
+    lines = list(dict.fromkeys(f"{'.'.join(p) or 'request body'}: {msg}"
+                               for p, msg, _ in found))
+    param = found[0][0][0] if found and found[0][0] else None
+    return APIError(400, "; ".join(lines) or "invalid request body", param)
+
+
 # Request bodies are validated strictly: JSON's own types only, so `"max_tokens": true`,
 # `"stream": "yes"` or `"temperature": "0.5"` are a 400 rather than coerced to 1, True or 0.5
-# (an integer is still a valid float)
-STRICT = ConfigDict(strict=True)
+# (an integer is still a valid float). Python's JSON parser reads NaN and Infinity: they are
+# refused as not finite, before any range check could misreport them.
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+def _encodable(text: str) -> str:
+    """JSON's `\\ud800` escapes can spell a lone UTF-16 surrogate, which is no Unicode
+    character: the tokenizer cannot take it, nor can a response carry it back."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate (U+{ord(text[exc.start]):04X}) at "
+                         f"character {exc.start}: text must be valid Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_encodable)]   # text the tokenizer or client reads
 
 
 class StreamOptions(BaseModel):
@@ -54,15 +98,15 @@ _Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: str
-    max_tokens: int | None = Field(default=None)
+    max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: model default
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)   # torch's seed range
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
@@ -103,12 +147,22 @@ class _Common(BaseModel):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         pairs = []
         for key, value in (self.logit_bias or {}).items():
-            token = int(key) if key.strip().isdigit() else -1
-            if token < 0:
-                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}",
-                               "logit_bias")
-            pairs.append((token, value))
+            digits = key.strip()
+            # ASCII digits only: str.isdigit() also takes '²' or '٣', which int() refuses;
+            # past 20 digits no id fits a vocabulary (nor int()'s digit limit)
+            if not (digits.isascii() and digits.isdigit() and len(digits) <= 20):
+                raise APIError(400, f"logit_bias keys must be token ids (ASCII digits), got "
+                                    f"{key[:40]!r}", "logit_bias")
+            pairs.append((int(digits), value))
         return tuple(sorted(pairs))
+
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The most tokens to generate, and the field that asked for it."""
+        return self.max_tokens, "max_tokens"
+
+    def prompt_field(self) -> str:
+        """The field that holds the prompt."""
+        return "prompt"
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -130,7 +184,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     # one prompt (text or token ids) or a batch of them; each gets its own n choices
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     # the sampled token's log-prob and this many alternatives (OpenAI's legacy integer;
     # false and null ask for none)
     logprobs: bool | int | None = None
@@ -170,21 +224,31 @@ class CompletionRequest(_Common):
         return k
 
 
+class ContentPart(BaseModel):
+    """A chat content part. Only text parts are served (text-only models): an image or
+    audio part is refused, and so is a text part without its text."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"content part of type {self.type[:40]!r} is not supported: "
+                             f"this server takes text parts only")
+        if self.text is None:
+            raise ValueError("a text content part needs `text`, a string")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict] | None = None
+    content: Text | list[ContentPart] | None = None
 
     def text(self) -> str:
-        """The message's text; a content part other than text (an image, audio) is refused:
-        this server serves text-only models."""
         if isinstance(self.content, list):
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise APIError(400, f"content part of type {part.get('type')!r} is not "
-                                        f"supported: this server takes text parts only",
-                                   "messages")
-            return "".join(part.get("text", "") for part in self.content)
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
 
@@ -193,8 +257,8 @@ class TokenizeRequest(BaseModel):
     model_config = STRICT
 
     model: str
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Text | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_generation_prompt: bool = True          # messages: end with the assistant's turn
     add_special_tokens: bool = False            # prompt: the tokenizer's BOS / EOS
 
@@ -212,9 +276,17 @@ class DetokenizeRequest(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def prompt_field(self) -> str:
+        return "messages"
 
     def logprobs_k(self) -> int | None:
         if not self.logprobs:

@@ -13,10 +13,11 @@ from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams
 from services.gateway.gateway import Gateway
 from services.gateway.protocol import APIError
-from tests.unit.test_stops import ZOO, FakeEngine
+from tests.helpers.gateway import ZOO
+from tests.helpers.playback import PlaybackEngine
 
 
-class FailingEngine(FakeEngine):
+class FailingEngine(PlaybackEngine):
     """Plays back its tokens, then fails the request."""
 
     async def submit(self, prompt_ids, params):
@@ -53,7 +54,7 @@ def served(tokenizer, engine, text=" 6, 7, 8, 9"):
 def test_a_stop_string_counts_as_stop_only(tokenizer):
     """The issue's case: it was counted under both `stop` and `abort`, and left
     `requests_running` at 1 (the engine still held the request when the gauge was read)."""
-    gateway, params = served(tokenizer, FakeEngine([]))
+    gateway, params = served(tokenizer, PlaybackEngine([]))
 
     async def run():
         return [d async for d in gateway.generate([1], params, ["7, 8"], 0.0)]
@@ -64,7 +65,7 @@ def test_a_stop_string_counts_as_stop_only(tokenizer):
 
 
 def test_each_outcome_once_and_running_while_streaming(tokenizer):
-    gateway, params = served(tokenizer, FakeEngine([]))
+    gateway, params = served(tokenizer, PlaybackEngine([]))
 
     async def run():
         whole = gateway.generate([1], params, [], 0.0)

@@ -8,21 +8,18 @@ string, streamed or whole, and the finish reason and token count stay right.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from services.common.messages import StepOutput
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams
-from services.gateway.client import EngineClient
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.gateway import Gateway
 from services.gateway.stops import StopStrings
-
-ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
+from tests.helpers.gateway import ZOO
+from tests.helpers.playback import PlaybackEngine
 
 # few characters, so that stop strings overlap each other and the text often
 ALPHABET = "ab7, 8\nA:"
@@ -112,37 +109,8 @@ def tokenizer():
     return load_tokenizer(ZOO)
 
 
-class FakeEngine(EngineClient):
-    """Plays back a fixed token sequence, then finishes with `reason`."""
-
-    def __init__(self, tokens: list[int], reason: str = "length"):
-        self.tokens, self.reason, self.aborted = tokens, reason, []
-
-    async def submit(self, prompt_ids, params):
-        out: asyncio.Queue = asyncio.Queue()
-        for i, t in enumerate(self.tokens):
-            last = i == len(self.tokens) - 1
-            out.put_nowait(StepOutput(0, t, -1.0, last, self.reason if last else None))
-        return 0, out
-
-    def abort(self, seq_id):
-        self.aborted.append(seq_id)
-
-    def healthy(self):
-        return True
-
-    def kv_usage(self):
-        return 0.0
-
-    def num_running(self):
-        return 0
-
-    async def refresh(self):
-        return None
-
-
 def deltas(tokenizer, tokens, stops, min_tokens=0, include=False):
-    gateway = Gateway(FakeEngine(tokens), tokenizer, "m", 4096)
+    gateway = Gateway(PlaybackEngine(tokens), tokenizer, "m", 4096)
     params = GenerationParams(max_tokens=len(tokens), min_tokens=min_tokens)
 
     async def run():
