@@ -9,8 +9,6 @@ its request is aborted and its KV freed at the next step boundary.
 from __future__ import annotations
 
 import logging
-from concurrent import futures
-
 import grpc
 from prometheus_client import generate_latest
 
@@ -18,6 +16,7 @@ from kernels.sampling import SamplingError
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import asks_for_prefill, params_from_proto, prompt_logprob_fields
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.engine.driver import QueueDriver
 from services.engine import LLMEngine, RequestError, StepOutput
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
@@ -111,14 +110,15 @@ class AttentionServicer(pb_grpc.AttentionServicer):
 def serve_attention(engine: LLMEngine, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
                     max_workers: int = 64, prefill: PrefillClient | None = None,
-                    registry=None):
+                    registry=None, security: GrpcSecurity = INSECURE):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
     Each in-flight request holds one handler thread, so `max_workers` caps concurrency.
-    `registry`: metrics of this process that `Stats` exports (the in-process pool's)."""
+    `registry`: metrics of this process that `Stats` exports (the in-process pool's).
+    `security`: the token calls must carry, and TLS."""
     loop = StepLoop(engine)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    server = security.server(max_workers)
     pb_grpc.add_AttentionServicer_to_server(
         AttentionServicer(loop, name, transport, prefill, registry), server)
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop

@@ -80,30 +80,31 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _serve_cluster(serve: ServeArgs) -> int:
-    import uvicorn
-
     from services.deployment.server import build_cluster
+    from services.gateway.http_server import serve as serve_http
 
     config = serve.cluster_config()
+    limits = serve.http_limits()
     app, cluster = build_cluster(config, address=serve.address,
-                                 served_name=serve.served_model_name, api_key=serve.api_key)
+                                 served_name=serve.served_model_name, api_key=serve.api_key,
+                                 limits=limits, rate_limits=serve.rate_limits())
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
           f"replica(s) ({serve.prefill_mode} prefill"
           f"{', prefix cache' if serve.prefix_cache else ''}), {config.transport} transport, "
-          f"{serve.wiring or 'checkpoint'} wiring)", file=sys.stderr, flush=True)
+          f"{serve.wiring or 'checkpoint'} wiring, gRPC token"
+          f"{' and TLS' if config.security.tls else ''})", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=serve.host, port=serve.port, log_level=serve.log_level)
+        serve_http(app, serve.host, serve.port, limits, serve.log_level)
     finally:
         cluster.shutdown()
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from services.deployment.server import build_embedded
+    from services.gateway.http_server import serve as serve_http
 
     serve = ServeArgs.from_cli(args)        # bad flags: main() reports them, nothing starts
     if serve.uses_cluster:
@@ -113,11 +114,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # reports them, nothing starts
     app = build_embedded(serve.model, served_name=serve.served_model_name,
                          dtype=serve.torch_dtype, options=serve.engine_options(),
-                         api_key=serve.api_key)
+                         api_key=serve.api_key, limits=serve.http_limits(),
+                         rate_limits=serve.rate_limits())
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(embedded engine, {serve.prefill_mode} prefill"
           f"{', prefix cache' if serve.prefix_cache else ''})", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=serve.host, port=serve.port, log_level=serve.log_level)
+    serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level)
     return 0
 
 

@@ -21,8 +21,11 @@ import torch
 from services.cli.argtypes import DTYPES, bounded, describe_range, in_range
 
 if TYPE_CHECKING:
+    from services.common.grpc_security import GrpcSecurity
     from services.deployment.build import EngineOptions
     from services.deployment.ray_cluster import ClusterConfig
+    from services.gateway.limits import HttpLimits
+    from services.gateway.ratelimit import RateLimits
     from services.prefill.service import PrefillConfig
 
 # argument groups of `splitstack serve --help`, by the key in a field's metadata
@@ -31,6 +34,10 @@ GROUPS = {
               "them one embedded engine serves)",
     "ridgefill": "RidgeFill prefill (requests may override: prefill_mode, ridgefill={...})",
     "prefix": "prefix cache (Tail-Replay; requests may override: replay_ratio)",
+    "limits": "HTTP limits and backpressure (refused requests get an OpenAI-style error)",
+    "grpc": "the internal gRPC channels of the Ray deployment: a shared token on every call "
+            "(from --grpc-token-file, $SPLITSTACK_GRPC_TOKEN_FILE or $SPLITSTACK_GRPC_TOKEN; "
+            "none given: a random one per deployment) and optional TLS",
 }
 
 
@@ -139,6 +146,39 @@ class ServeArgs:
                                     "through the linear-attention layers (hybrid models; 0: "
                                     "zero-only)", low=0.0, high=1.0, group="prefix")
 
+    max_body_bytes: int = flag(4 << 20, "larger request bodies get 413 (refused by their "
+                                        "Content-Length before they are read)", low=1,
+                               group="limits")
+    body_timeout: float = flag(30.0, "seconds to receive a request body once its headers "
+                                     "came; then 408", low=1e-3, group="limits")
+    header_timeout: float = flag(10.0, "seconds from a connection (or a kept-alive request's "
+                                       "first byte) to the end of the request headers; then "
+                                       "the connection is closed", low=1e-3, group="limits")
+    keep_alive_timeout: int = flag(5, "seconds an idle kept-alive connection stays open",
+                                   low=1, group="limits")
+    max_connections_per_client: int = flag(64, "open connections one client address may hold; "
+                                               "past it 429", low=1, group="limits")
+    max_waiting_requests: int = flag(64, "generation requests waiting beyond those the "
+                                         "engines run at once; past it 503 with Retry-After",
+                                     low=0, group="limits")
+    rate_limit_rpm: int | None = flag(None, "requests per minute per API key (or client "
+                                            "address), shared through Redis; past it 429",
+                                      low=1, group="limits")
+    rate_limit_tpm: int | None = flag(None, "tokens per minute per API key: prompt plus "
+                                            "max_tokens per completion", low=1,
+                                      group="limits")
+    rate_limit_redis: str = flag("redis://127.0.0.1:6379/0", "Redis holding the rate-limit "
+                                 "buckets (unreachable: requests are served, and counted)",
+                                 group="limits")
+
+    grpc_token_file: str | None = flag(None, "file holding the token (a mounted Secret)",
+                                       group="grpc")
+    grpc_tls_cert: str | None = flag(None, "PEM certificate the gRPC servers present",
+                                     group="grpc")
+    grpc_tls_key: str | None = flag(None, "PEM private key of --grpc-tls-cert", group="grpc")
+    grpc_tls_ca: str | None = flag(None, "PEM CA that clients verify the servers with",
+                                   group="grpc")
+
     def __post_init__(self):
         for f in fields(self):
             _check(f, getattr(self, f.name))
@@ -148,6 +188,8 @@ class ServeArgs:
         # what the configs refuse in combination (--transport nccl without --gpu, RidgeFill
         # or the prefix cache with --prefill-replicas 0) is refused here too, before loading
         self.engine_options()
+        self.http_limits()
+        self.rate_limits()
         if self.uses_cluster:
             self.cluster_config()
 
@@ -216,6 +258,27 @@ class ServeArgs:
                              prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio)
 
+    def http_limits(self) -> HttpLimits:
+        from services.gateway.limits import HttpLimits
+
+        return HttpLimits(max_body_bytes=self.max_body_bytes, body_timeout_s=self.body_timeout,
+                          header_timeout_s=self.header_timeout,
+                          keep_alive_s=self.keep_alive_timeout,
+                          max_connections_per_client=self.max_connections_per_client,
+                          max_waiting_requests=self.max_waiting_requests)
+
+    def rate_limits(self) -> RateLimits:
+        from services.gateway.ratelimit import RateLimits
+
+        return RateLimits(self.rate_limit_rpm, self.rate_limit_tpm, self.rate_limit_redis)
+
+    def grpc_security(self) -> GrpcSecurity:
+        """Read when the Ray deployment is configured; a missing file raises OSError."""
+        from services.common.grpc_security import GrpcSecurity
+
+        return GrpcSecurity.load(self.grpc_token_file, self.grpc_tls_cert, self.grpc_tls_key,
+                                 self.grpc_tls_ca, generate=True)
+
     def cluster_config(self) -> ClusterConfig:
         """The Ray deployment: unset Q-First sizes are 1, the transport gRPC, and the prefill
         service gets one replica when RidgeFill or the prefix cache needs it."""
@@ -231,7 +294,7 @@ class ServeArgs:
             transport=self.transport or "grpc", kv_splits=self.kv_splits,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
             dtype=self.dtype, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
-            prefill_replicas=prefill_replicas, prefill=options)
+            prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security())
 
 
 def _kind(hint) -> tuple[type, bool]:

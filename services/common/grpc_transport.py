@@ -12,6 +12,7 @@ from models.gdn import GDNInputs
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, history_fields, processing_fields, to_proto
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import StageOutput
 from services.common.transport import TRANSPORTS, Pending, Transport
 
@@ -20,11 +21,12 @@ _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
 
 
 class PoolStream:
-    """A client's stream to one replica at `address`; reopened after a failure."""
+    """A client's stream to one replica at `address`; reopened after a failure.
+    `security`: the token its calls carry, and TLS."""
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, security: GrpcSecurity = INSECURE):
         self.name = address
-        self.channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self.channel = security.channel(address, options=_OPTIONS)
         self.stub = pb_grpc.MLPPoolStub(self.channel)
         self._open()
 
@@ -55,8 +57,9 @@ class PoolStream:
 class GrpcTransport(Transport):
     """Replicas are `host:port` strings of `services.mlp_pool.grpc_server` servers."""
 
-    def __init__(self, replicas: list):
-        super().__init__([PoolStream(r) if isinstance(r, str) else r for r in replicas])
+    def __init__(self, replicas: list, security: GrpcSecurity = INSECURE):
+        super().__init__([PoolStream(r, security) if isinstance(r, str) else r
+                          for r in replicas])
         self._ids = itertools.count()
 
     def _encode(self, method: str, args) -> pb.PoolRequest:

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.grpc_transport import GrpcTransport, PoolStream
 from services.common.pb import splitstack_pb2 as pb
 from services.common.transport import TRANSPORTS
@@ -105,21 +106,23 @@ class NcclEndpoint:
 class NcclPoolStream(PoolStream):
     """The gRPC control stream to one replica plus the NCCL link to it."""
 
-    def __init__(self, address: str, link: NcclLink, peer_name: str):
-        super().__init__(address)
+    def __init__(self, address: str, link: NcclLink, peer_name: str,
+                 security: GrpcSecurity = INSECURE):
+        super().__init__(address, security)
         self.link, self.peer_name = link, peer_name
 
 
 class NcclTransport(GrpcTransport):
     @classmethod
-    def connect(cls, name: str, pool_actors: list, addresses: list[str]) -> "NcclTransport":
+    def connect(cls, name: str, pool_actors: list, addresses: list[str],
+                security: GrpcSecurity = INSECURE) -> "NcclTransport":
         """Join one communicator per pool replica actor (as rank 0) and open its stream."""
         import ray
 
         streams = []
         for actor, address in zip(pool_actors, addresses):
             uid = ray.get(actor.nccl_listen.remote(name))
-            streams.append(NcclPoolStream(address, NcclLink(uid, rank=0), name))
+            streams.append(NcclPoolStream(address, NcclLink(uid, rank=0), name, security))
         return cls(streams)
 
     def _send(self, replica: NcclPoolStream, method: str, args) -> None:

@@ -72,9 +72,13 @@ class LocalTransport(Transport):
 TRANSPORTS = {"local": LocalTransport}
 
 
-def make_transport(name: str, replicas: list) -> Transport:
+def make_transport(name: str, replicas: list, security=None) -> Transport:
+    """`security`: a `GrpcSecurity` for the gRPC transport's channels (None: no token, no
+    TLS)."""
     if name == "grpc":
         import services.common.grpc_transport  # noqa: F401  (registers itself; needs stubs)
     if name not in TRANSPORTS:
         raise ValueError(f"unknown transport {name!r}; available: {sorted(TRANSPORTS)}")
+    if security is not None and name != "local":
+        return TRANSPORTS[name](replicas, security)
     return TRANSPORTS[name](replicas)

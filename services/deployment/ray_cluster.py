@@ -31,6 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.process import tune_process
 from services.deployment.build import EngineOptions
 
@@ -56,6 +57,8 @@ class ClusterConfig:
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)
     prefill_replicas: int = 0          # prefill service replicas (0: prefill via the pool)
     prefill: EngineOptions = field(default_factory=EngineOptions)   # their engines
+    # the internal gRPC channels' token and TLS (`splitstack serve` always sets a token)
+    security: GrpcSecurity = INSECURE
 
     def __post_init__(self):
         if self.transport not in TRANSPORT_NAMES:
@@ -122,7 +125,8 @@ class PoolReplica:
     """Ray actor: one stateless MLP pool replica behind a gRPC server."""
 
     def __init__(self, model_dir: str, name: str, dtype: str = "float32", threads: int = 1,
-                 host: str = "127.0.0.1", use_gpu: bool = False):
+                 host: str = "127.0.0.1", use_gpu: bool = False,
+                 security: GrpcSecurity = INSECURE):
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
@@ -135,7 +139,8 @@ class PoolReplica:
             from services.common.nccl_transport import NcclEndpoint
 
             self.nccl = NcclEndpoint()
-        self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl)
+        self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl,
+                                        security=security)
         self.addr = _advertised(bound)
 
     def address(self) -> str:
@@ -177,7 +182,8 @@ class PrefillReplica:
 
             self.nccl = NcclEndpoint()
         self.server, bound, self.loop = serve_prefill(self.engine, service, registry,
-                                                      f"{c.host}:0", name, nccl=self.nccl)
+                                                      f"{c.host}:0", name, nccl=self.nccl,
+                                                      security=c.security)
         self.addr = _advertised(bound)
         self.name = name
 
@@ -233,9 +239,9 @@ class AttentionReplica:
         if c.transport == "nccl":
             from services.common.nccl_transport import NcclTransport
 
-            transport = NcclTransport.connect(name, list(pools), replicas)
+            transport = NcclTransport.connect(name, list(pools), replicas, c.security)
         else:
-            transport = make_transport(c.transport, replicas)
+            transport = make_transport(c.transport, replicas, c.security)
         self.engine = qfirst_engine(model, transport, num_shards=c.kv_splits,
                                     block_size=c.block_size, wiring=c.wiring,
                                     eos_token_ids=eos_token_ids(c.model),
@@ -256,10 +262,11 @@ class AttentionReplica:
                          for uid in ray.get([p.nccl_listen.remote(name) for p in prefills])]
             prefill = PrefillClient(prefill_addresses, cfg, model.dtype,
                                     cache_aware=c.prefill.prefix_cache_bytes is not None,
-                                    links=links, peer=name, device=device)
+                                    links=links, peer=name, device=device,
+                                    security=c.security)
         self.server, bound, self.loop = serve_attention(
             self.engine, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
-            registry=registry)
+            registry=registry, security=c.security)
         self.addr = _advertised(bound)
         self.name = name
 
@@ -306,7 +313,7 @@ def deploy(config: ClusterConfig) -> Cluster:
         cls = ray.remote(**opts)(PoolReplica)
         cluster.pools = [cls.options(name=None).remote(config.model, f"pool-{i}", config.dtype,
                                                       config.threads, config.host,
-                                                      config.use_gpu)
+                                                      config.use_gpu, config.security)
                          for i in range(config.mlp_replicas)]
         cluster.pool_addresses = ray.get([p.address.remote() for p in cluster.pools])
     try:

@@ -11,17 +11,22 @@ from services.common.tokenizer import default_temperature, load_tokenizer
 from services.deployment.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
+from services.gateway.limits import HttpLimits
+from services.gateway.ratelimit import RateLimits
 from services.gateway.metrics import GatewayMetrics
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    dtype: torch.dtype = torch.float32, options: EngineOptions | None = None,
-                   api_key: str | None = None, **engine_options):
+                   api_key: str | None = None, limits: HttpLimits | None = None,
+                   rate_limits: RateLimits | None = None, **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
     `ridgefill`; `prefix_cache_bytes` (--prefix-cache) turns the prefix cache on, keyed by
-    the model's fingerprint and dtype, and requests may set their own `replay_ratio`."""
+    the model's fingerprint and dtype, and requests may set their own `replay_ratio`.
+    `limits`, `rate_limits`: the gateway's (`build_app`); the engine's `max_num_seqs` are
+    its running slots."""
     model_dir = Path(model_dir)
     options = options or EngineOptions(**engine_options)
     model = load_model(model_dir, dtype=dtype)
@@ -31,16 +36,17 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                       served_name or model_dir.name, engine.max_model_len,
                       default_temperature(model_dir), prefill_service=service,
                       metrics=GatewayMetrics(registry))
-    return build_app(gateway, api_key)
+    return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs)
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
-                  num_cpus: int | None = None, api_key: str | None = None):
+                  num_cpus: int | None = None, api_key: str | None = None,
+                  limits: HttpLimits | None = None, rate_limits: RateLimits | None = None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
-    `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them. Returns
-    (app, cluster)."""
+    `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them; every
+    gRPC channel carries `config.security`. Returns (app, cluster)."""
     from services.deployment.ray_cluster import deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
@@ -50,8 +56,9 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     metrics = GatewayMetrics()
     backend = ClusterBackend(cluster.attention_addresses, metrics.registry,
                              prefill_addresses=cluster.prefill_addresses,
-                             pool_addresses=cluster.pool_addresses)
+                             pool_addresses=cluster.pool_addresses, security=config.security)
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
                       remote_prefill=bool(cluster.prefill_addresses))
-    return build_app(gateway, api_key), cluster
+    slots = config.max_num_seqs * config.attention_shards
+    return build_app(gateway, api_key, limits, rate_limits, running_slots=slots), cluster

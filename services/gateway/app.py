@@ -15,8 +15,12 @@ from starlette.exceptions import HTTPException
 
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
+from services.gateway.limits import HttpLimits, off_loop
+from services.gateway.limits import install as install_limits
 from services.gateway.gateway import Gateway
 from services.gateway.openapi import document
+from services.gateway.ratelimit import RateLimits
+from services.gateway.ratelimit import install as install_rate_limits
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, validation_error)
 
@@ -44,10 +48,17 @@ class RequireAPIKey:
         await self.app(scope, receive, send)
 
 
-def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
-    """`api_key`: clients of the `/v1/` routes must send it as a bearer token."""
+def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits | None = None,
+              rate_limits: RateLimits | None = None, running_slots: int = 16) -> FastAPI:
+    """`api_key`: clients of the `/v1/` routes must send it as a bearer token. `limits`:
+    body size and read time, the waiting-queue bound past `running_slots` (requests the
+    engines run at once) and the request caps (`services.gateway.limits`); `rate_limits`:
+    per-client limits shared through Redis (`services.gateway.ratelimit`)."""
     app = FastAPI(title="splitstack")
     app.state.gateway = gateway
+    install_limits(app, limits or HttpLimits(), running_slots)
+    if rate_limits is not None and rate_limits.enabled:
+        install_rate_limits(app, rate_limits)
     if api_key:
         app.add_middleware(RequireAPIKey, key=api_key)
 
@@ -100,14 +111,17 @@ def build_app(gateway: Gateway, api_key: str | None = None) -> FastAPI:
         """vLLM's: the prompt's token ids (or the chat template's, for messages)."""
         gateway.check_model(req.model)
         req.check()
-        if req.messages is not None:
-            text = gateway.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt, tokenize=False)
-            ids = gateway.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = gateway.tokenizer(req.prompt,
-                                    add_special_tokens=req.add_special_tokens)["input_ids"]
+
+        def token_ids() -> list[int]:
+            if req.messages is not None:
+                text = gateway.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.text()} for m in req.messages],
+                    add_generation_prompt=req.add_generation_prompt, tokenize=False)
+                return gateway.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return gateway.tokenizer(req.prompt,
+                                     add_special_tokens=req.add_special_tokens)["input_ids"]
+
+        ids = await off_loop(token_ids)        # a body-sized text takes seconds
         return {"tokens": ids, "count": len(ids), "max_model_len": gateway.max_model_len}
 
     @app.post("/detokenize")

@@ -8,16 +8,20 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.gateway.gateway import Delta, Gateway
+from services.gateway.limits import check_request, off_loop
 from services.gateway.logprobs import chat_logprobs
 from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.ratelimit import charge_tokens
 from services.gateway.serving import Fanout, head, sse_response, usage
 
 
 async def create_chat_completion(gateway: Gateway, req: ChatCompletionRequest,
                                  request: Request):
     arrival = time.perf_counter()
-    ids = gateway.chat_ids(req)
+    check_request(request, req)
+    ids = await off_loop(gateway.chat_ids, req)
     params = gateway.params(req, len(ids), req.max_completion_tokens or req.max_tokens)
+    await charge_tokens(request, req.candidates() * (len(ids) + params.max_tokens))
     top = head(gateway, "chatcmpl-", "chat.completion.chunk" if req.stream else
                "chat.completion")
     fan = Fanout(gateway, req, [(ids, params)], arrival)

@@ -20,6 +20,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.codec import params_to_proto, prompt_logprobs_from
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.engine import GenerationParams, RequestError, StepOutput
@@ -38,8 +39,10 @@ class RemoteRequestError(RequestError):
 
 
 class _Endpoint:
-    def __init__(self, address: str, stub=pb_grpc.AttentionStub):
+    def __init__(self, address: str, stub=pb_grpc.AttentionStub,
+                 security: GrpcSecurity = INSECURE):
         self.address = address
+        self.security = security
         self.channel: grpc.aio.Channel | None = None
         self.stub = None
         self._stub_cls = stub
@@ -48,7 +51,7 @@ class _Endpoint:
 
     def connect(self) -> None:
         if self.channel is None:         # created lazily: aio channels bind to the loop
-            self.channel = grpc.aio.insecure_channel(self.address)
+            self.channel = self.security.aio_channel(self.address)
             self.stub = self._stub_cls(self.channel)
 
 
@@ -76,16 +79,20 @@ class ClusterBackend(EngineClient):
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
 
     def __init__(self, addresses: list[str], registry=None,
-                 prefill_addresses: list[str] = (), pool_addresses: list[str] = ()):
+                 prefill_addresses: list[str] = (), pool_addresses: list[str] = (),
+                 security: GrpcSecurity = INSECURE):
         """`registry`: where the per-service gauges go (the gateway's, for /metrics).
         `prefill_addresses`, `pool_addresses`: replicas whose metrics it polls and
-        re-exports (prefill and prefix cache; pool stage latency and batch size)."""
+        re-exports (prefill and prefix cache; pool stage latency and batch size).
+        `security`: the token every call carries, and TLS."""
         if not addresses:
             raise ValueError("the gateway needs at least one attention service")
         self.gauges = None
         self.remote = RemoteMetrics()
-        self.peers = ([("prefill", _Endpoint(a, pb_grpc.PrefillStub)) for a in prefill_addresses]
-                      + [("pool", _Endpoint(a, pb_grpc.MLPPoolStub)) for a in pool_addresses])
+        self.peers = ([("prefill", _Endpoint(a, pb_grpc.PrefillStub, security))
+                       for a in prefill_addresses]
+                      + [("pool", _Endpoint(a, pb_grpc.MLPPoolStub, security))
+                         for a in pool_addresses])
         if registry is not None:
             registry.register(self.remote)
             self.peer_up = {kind: Gauge(f"splitstack_{kind}_up",
@@ -102,7 +109,7 @@ class ClusterBackend(EngineClient):
                     ("pool_retries", "Pool calls the attention service retried elsewhere"),
                     ("prefill_retries", "Prefill calls made again on another prefill "
                                         "replica"))}
-        self.endpoints = [_Endpoint(a) for a in addresses]
+        self.endpoints = [_Endpoint(a, security=security) for a in addresses]
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self._ids = itertools.count()
         self._turn = itertools.count()

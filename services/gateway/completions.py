@@ -11,15 +11,20 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from services.gateway.gateway import Delta, Gateway
+from services.gateway.limits import check_request, off_loop
 from services.gateway.logprobs import TokenLogprob, completion_logprobs
 from services.gateway.protocol import CompletionRequest
+from services.gateway.ratelimit import charge_tokens
 from services.gateway.serving import Fanout, Jobs, head, sse_response, usage
 
 
 async def create_completion(gateway: Gateway, req: CompletionRequest, request: Request):
     arrival = time.perf_counter()
+    check_request(request, req)
     jobs = [(ids, gateway.params(req, len(ids), req.max_tokens))
-            for ids in gateway.completion_ids(req)]
+            for ids in await off_loop(gateway.completion_ids, req)]
+    await charge_tokens(request, req.candidates() * sum(len(ids) + p.max_tokens
+                                                        for ids, p in jobs))
     top = head(gateway, "cmpl-", "text_completion")
     fan = Fanout(gateway, req, jobs, arrival)
     echo = _Echo(gateway, req, jobs)

@@ -1,9 +1,6 @@
 """Serves an `MLPPool` over gRPC: one bidirectional stream per client, calls in order."""
 from __future__ import annotations
 
-from concurrent import futures
-
-import grpc
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -11,6 +8,7 @@ from kernels.sampling import SamplingParams
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, history_from, processing_from, to_proto
+from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.mlp_pool.pool import MLPPool
 
 
@@ -76,22 +74,22 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
 
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,
-               nccl=None, batching: bool = True):
+               nccl=None, batching: bool = True, security: GrpcSecurity = INSECURE):
     """Start a gRPC server for `pool`; returns (server, bound address).
 
     Each client's stream holds one handler thread, so `max_workers` caps the cache-side
     clients. `batching`: concurrent calls from different clients run as one forward
     (`BatchingPool`, which also records stage latency and batch size, served by `Stats`).
-    `nccl`: the replica's `NcclEndpoint`, for the nccl transport."""
+    `nccl`: the replica's `NcclEndpoint`, for the nccl transport. `security`: the token
+    calls must carry, and TLS."""
     from services.mlp_pool.batcher import BatchingPool
     from services.mlp_pool.metrics import PoolMetrics
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         options=[("grpc.max_send_message_length", 512 << 20),
-                                  ("grpc.max_receive_message_length", 512 << 20)])
+    server = security.server(max_workers, options=[("grpc.max_send_message_length", 512 << 20),
+                                                   ("grpc.max_receive_message_length", 512 << 20)])
     registry = CollectorRegistry()
     runner = BatchingPool(pool, metrics=PoolMetrics(registry)) if batching else pool
     pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl, registry), server)
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"

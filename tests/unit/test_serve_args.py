@@ -33,7 +33,7 @@ def test_every_field_is_one_flag_with_help():
     actions = {a.option_strings[0]: a for a in serve_parser()._actions
                if a.option_strings and a.dest != "help"}
     names = [flag_name(f.name) for f in dataclasses.fields(ServeArgs)]
-    assert sorted(actions) == sorted(names) and len(names) == 37
+    assert sorted(actions) == sorted(names) and len(names) == 50
     for f in dataclasses.fields(ServeArgs):
         action = actions[flag_name(f.name)]
         assert action.dest == f.name
@@ -76,10 +76,13 @@ def test_flags_reach_the_cluster_config():
                  "--mlp-replicas", "4", "--wiring", "qfirst", "--transport", "nccl", "--gpu",
                  "--host", "0.0.0.0", "--max-num-seqs", "8", "--dtype", "bfloat16")
     assert args.uses_cluster and args.torch_threads == 1
-    assert args.cluster_config() == ClusterConfig(
+    config = args.cluster_config()
+    assert config.security.token and not config.security.tls   # no token given: one made
+    assert config == ClusterConfig(
         model="m", attention_shards=2, mlp_replicas=4, wiring="qfirst", transport="nccl",
         kv_splits=3, kv_cache_bytes=1 << 30, max_num_seqs=8, dtype="bfloat16", threads=1,
-        host="0.0.0.0", use_gpu=True, prefill_replicas=0, prefill=args.engine_options())
+        host="0.0.0.0", use_gpu=True, prefill_replicas=0, prefill=args.engine_options(),
+        security=config.security)
 
 
 @pytest.mark.parametrize("flags, sizes", [
