@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from fastapi.responses import JSONResponse
 from prometheus_client import Counter
 
-from services.gateway.protocol import APIError
+from services.gateway.protocol import APIError, ChatCompletionRequest
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_SEQUENCES = 128        # engine requests one HTTP request may start: candidates × prompts
@@ -206,7 +206,8 @@ def check_request(request, req) -> None:
     if len(req.logit_bias or ()) > MAX_LOGIT_BIAS:
         raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got "
                             f"{len(req.logit_bias)}", "logit_bias")
-    if hasattr(req, "messages"):
+    # by type: a completions body may carry an extra field named "messages"
+    if isinstance(req, ChatCompletionRequest):
         # a chat template keeps each message's text, trimmed at most
         bound.check(sum(len(m.text().strip()) for m in req.messages), 0, "messages")
         return
