@@ -48,7 +48,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
 
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)
-        extra = {}
+        extra = {"output_ids": list(request.resume_ids)}      # a migrated request's tokens
         try:
             params = params_from_proto(request)
             if self.prefill is not None:
@@ -59,7 +59,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                        "prefills on prefill replicas")
                 cancel = CancelHandle()
                 context.add_callback(cancel.cancel)
-                extra["prefilled"] = self.prefill.prefill(prompt, request.prefill, cancel)
+                extra["prefilled"] = self.prefill.prefill(prompt + extra["output_ids"],
+                                                          request.prefill, cancel)
             elif asks_for_prefill(request.prefill):
                 raise RequestError("prefill_mode", request.prefill.mode,
                                    "this deployment has no prefill service (start it with "

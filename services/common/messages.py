@@ -22,15 +22,16 @@ class RequestError(ValueError):
         self.field, self.value = field_name, value
 
 
-def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int, field_name: str = "prompt") -> None:
     """A prompt every engine can run: at least one token, each an id of the vocabulary
     (an id outside it would index past the embedding table)."""
     if not prompt_ids:
-        raise RequestError("prompt", prompt_ids, "must contain at least one token")
+        raise RequestError(field_name, prompt_ids, "must contain at least one token")
     bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int)
            or not 0 <= t < vocab_size]
     if bad:
-        raise RequestError("prompt", bad[:4], f"token ids must be integers in [0, {vocab_size})")
+        raise RequestError(field_name, bad[:4],
+                           f"token ids must be integers in [0, {vocab_size})")
 
 
 def check_request(prompt_ids: list[int], params: GenerationParams, vocab_size: int) -> None:

@@ -27,7 +27,7 @@ import torch
 from kernels.sampling import sample
 from models.model import CausalLM
 from services.common.messages import (GenerationParams, PromptExport, RequestError,
-                                      StepOutput, check_request)
+                                      StepOutput, check_prompt_ids, check_request)
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
 from services.engine.prefix import PrefixReuse
@@ -137,17 +137,31 @@ class LLMEngine:
             raise RequestError("export_prompt", True, "needs the monolithic runner")
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
-                    seq_id: int | None = None, prefilled: PromptExport | None = None) -> int:
+                    seq_id: int | None = None, prefilled: PromptExport | None = None,
+                    output_ids: list[int] = ()) -> int:
         """`prefilled`: the prompt's KV, GDN states and logits, prefilled elsewhere (a
-        prefill replica); stored on admission, and the first token sampled from the logits."""
+        prefill replica); stored on admission, and the first token sampled from the logits.
+        `output_ids`: tokens this request already generated elsewhere (a migrated request):
+        they are prefilled with the prompt and count as output (`max_tokens`, penalties,
+        `min_tokens`, stop checks), and a seeded sampler skips their draws, so the request
+        continues exactly as an uninterrupted run would."""
         self.validate(prompt_ids, params)
-        if prefilled is not None and prefilled.num_tokens != len(prompt_ids):
-            raise RequestError("prompt", len(prompt_ids),
+        output_ids = list(output_ids)
+        if output_ids:
+            check_prompt_ids(output_ids, self.model.config.vocab_size, "output_ids")
+            if len(output_ids) >= params.max_tokens:
+                raise RequestError("output_ids", len(output_ids),
+                                   f"a request with max_tokens={params.max_tokens} has "
+                                   "nothing left to generate")
+        if prefilled is not None and prefilled.num_tokens != len(prompt_ids) + len(output_ids):
+            raise RequestError("prompt", len(prompt_ids) + len(output_ids),
                                f"the prefill covers {prefilled.num_tokens} tokens")
         seq_id = next(self._ids) if seq_id is None else seq_id
         if seq_id in self.seqs:
             raise RequestError("seq_id", seq_id, "is already in use")
-        seq = Sequence(seq_id, list(prompt_ids), params, prefilled=prefilled)
+        seq = Sequence(seq_id, list(prompt_ids), params, output_ids=output_ids,
+                       prefilled=prefilled)
+        seq.skip_draws(len(output_ids), self.model.config.vocab_size)
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id

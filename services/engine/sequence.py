@@ -40,6 +40,17 @@ class Sequence:
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 
+    def skip_draws(self, n: int, vocab_size: int) -> None:
+        """Advance a seeded sampler past `n` tokens drawn elsewhere (a migrated request).
+        Each sampled token is one `torch.multinomial` draw over the vocabulary, and a
+        draw's use of the generator does not depend on the probabilities, so `n` draws
+        over any distribution leave it where the original run's left it."""
+        if self.generator is None or self.params.sampling.greedy or n <= 0:
+            return
+        uniform = torch.full((vocab_size,), 1.0 / vocab_size)
+        for _ in range(n):
+            torch.multinomial(uniform, 1, generator=self.generator)
+
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.output_ids

@@ -15,7 +15,7 @@ import logging
 import time
 
 import grpc
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -77,6 +77,7 @@ class RemoteMetrics:
 
 class ClusterBackend(EngineClient):
     RECHECK_S = 5.0      # a failed endpoint is probed again after this long
+    MAX_MIGRATIONS = 3   # times one request may move to another attention service
 
     def __init__(self, addresses: list[str], registry=None,
                  prefill_addresses: list[str] = (), pool_addresses: list[str] = (),
@@ -109,8 +110,18 @@ class ClusterBackend(EngineClient):
                     ("pool_retries", "Pool calls the attention service retried elsewhere"),
                     ("prefill_retries", "Prefill calls made again on another prefill "
                                         "replica"))}
+        self.migrations = self.migration_pause = None
+        if registry is not None:
+            self.migrations = Counter(
+                "splitstack_migrations", "Requests moved to another attention service and "
+                "continued there", ["reason"], registry=registry)
+            self.migration_pause = Histogram(
+                "splitstack_migration_pause_seconds", "A migrated request's last token "
+                "before the move to its first token after it", registry=registry,
+                buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.endpoints = [_Endpoint(a, security=security) for a in addresses]
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
+        self._aborted: set[int] = set()   # ids the gateway aborted: never migrated
         self._ids = itertools.count()
         self._turn = itertools.count()
         self._usage = 0.0
@@ -171,48 +182,108 @@ class ClusterBackend(EngineClient):
                                             "error", first.error or None))
                 return gid, queue
             self.calls[gid] = call
-            asyncio.ensure_future(self._pump(gid, ep, call, queue))
+            asyncio.ensure_future(self._pump(gid, ep, call, queue, request))
             return gid, queue
         raise APIError(503, "no attention service is available"
                        + (f" ({'; '.join(errors)})" if errors else ""),
                        type_="service_unavailable")
 
-    async def _pump(self, gid: int, ep: _Endpoint, call, queue: asyncio.Queue) -> None:
-        finished = False
+    async def _pump(self, gid: int, ep: _Endpoint, call, queue: asyncio.Queue,
+                    request: pb.GenerateRequest) -> None:
+        """Relay `call`'s events as `StepOutput`s. When its attention service fails
+        mid-stream, the request migrates: it is sent again, with the tokens streamed so far
+        (`resume_ids`), to another live service, which prefills prompt + tokens and goes on
+        as the uninterrupted run would (the engine skips a seeded sampler's draws); the
+        client's stream never sees the move. At most `MAX_MIGRATIONS` moves."""
         try:
-            while True:
-                ev = await call.read()
-                if ev is grpc.aio.EOF:
-                    break
-                finished = ev.finished
-                top = list(zip(ev.top_tokens, ev.top_logprobs)) if ev.has_token else None
-                queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
-                                            ev.logprob if ev.has_token else None, ev.finished,
-                                            ev.finish_reason or None, ev.error or None,
-                                            top_logprobs=top,
-                                            prompt_logprobs=prompt_logprobs_from(ev)))
-                if finished:
-                    return
-            if not finished:
-                raise ConnectionError("the stream ended before the request finished")
-        except asyncio.CancelledError:
-            pass
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED:
-                queue.put_nowait(StepOutput(gid, None, None, True, "abort"))
-                return
-            self._mark_down(ep, err)
-            queue.put_nowait(StepOutput(
-                gid, None, None, True, "error",
-                f"attention service {ep.address} failed: {err.code().name}: {err.details()}"))
-        except Exception as err:  # noqa: BLE001 — never leave a request waiting
-            queue.put_nowait(StepOutput(gid, None, None, True, "error",
-                                        f"attention service {ep.address}: {err}"))
+            await self._relay(gid, ep, call, queue, request)
         finally:
-            ep.inflight -= 1
-            self.calls.pop(gid, None)
+            self._aborted.discard(gid)
+
+    async def _relay(self, gid, ep, call, queue, request) -> None:
+        tokens: list[int] = []
+        moved_at: float | None = None       # when a migration's pause started
+        last_token = time.monotonic()
+        for attempt in range(self.MAX_MIGRATIONS + 1):
+            try:
+                while True:
+                    ev = await call.read()
+                    if ev is grpc.aio.EOF:
+                        raise ConnectionError("the stream ended before the request finished")
+                    if ev.has_token:
+                        tokens.append(ev.token)
+                        last_token = time.monotonic()
+                        if moved_at is not None:
+                            if self.migration_pause is not None:
+                                self.migration_pause.observe(last_token - moved_at)
+                            moved_at = None
+                    if not ev.has_token and not ev.finished:
+                        continue             # a migration's acknowledgement
+                    top = list(zip(ev.top_tokens, ev.top_logprobs)) if ev.has_token else None
+                    queue.put_nowait(StepOutput(gid, ev.token if ev.has_token else None,
+                                                ev.logprob if ev.has_token else None,
+                                                ev.finished, ev.finish_reason or None,
+                                                ev.error or None, top_logprobs=top,
+                                                prompt_logprobs=prompt_logprobs_from(ev)))
+                    if ev.finished:
+                        return
+            except asyncio.CancelledError:
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED:
+                    queue.put_nowait(StepOutput(gid, None, None, True, "abort"))
+                    return
+                self._mark_down(ep, err)
+                reason = f"attention service {ep.address} failed: {err.code().name}: " \
+                         f"{err.details()}"
+            except Exception as err:  # noqa: BLE001 — never leave a request waiting
+                reason = f"attention service {ep.address}: {err}"
+            finally:
+                ep.inflight -= 1
+                self.calls.pop(gid, None)
+            if gid in self._aborted or attempt == self.MAX_MIGRATIONS:
+                break
+            log.warning("%s; moving request %d with %d tokens", reason, gid, len(tokens))
+            moved_at = moved_at or last_token
+            moved = await self._move(gid, request, tokens, ep)
+            if isinstance(moved, str):
+                reason += f"; {moved}"
+                break
+            ep, call = moved
+            if self.migrations is not None:
+                self.migrations.labels("failure").inc()
+        queue.put_nowait(StepOutput(gid, None, None, True, "error", reason))
+
+    async def _move(self, gid: int, request: pb.GenerateRequest, tokens: list[int],
+                    failed: _Endpoint):
+        """Start `request` again, after `tokens`, on the least-loaded other live service:
+        -> (endpoint, call), or why it could not."""
+        resumed = pb.GenerateRequest()
+        resumed.CopyFrom(request)
+        resumed.resume_ids[:] = tokens
+        live = sorted((ep for ep in await self._live() if ep is not failed),
+                      key=lambda ep: ep.inflight)
+        for ep in live:
+            ep.connect()
+            ep.inflight += 1
+            call = ep.stub.Generate(resumed)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                ep.inflight -= 1
+                self._mark_down(ep, err)
+                continue
+            if first is grpc.aio.EOF or first.refused or first.finished:
+                ep.inflight -= 1
+                if first is grpc.aio.EOF:
+                    continue
+                return f"{ep.address} refused to continue it: {first.error}"
+            self.calls[gid] = call
+            return ep, call
+        return "no live attention service to continue it on"
 
     def abort(self, seq_id: int) -> None:
+        self._aborted.add(seq_id)
         call = self.calls.get(seq_id)
         if call is not None:
             call.cancel()
