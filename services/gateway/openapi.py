@@ -17,18 +17,22 @@ WHEN = {
          "the field.",
     401: "Missing or invalid API key (a server started with one).",
     404: "No such model (`code`: model_not_found).",
+    408: "The request's headers or body did not arrive in time.",
     413: "The request body is larger than the server's cap.",
-    429: "Over the client's rate limit; retry after `Retry-After` seconds.",
+    429: "Over the client's rate limit or its cap on open connections; retry after "
+         "`Retry-After` seconds.",
     500: "Generation failed inside the engine.",
     503: "No engine is serving, or the waiting queue is full; retry after `Retry-After` "
          "seconds.",
 }
-_GENERATE = (400, 401, 404, 413, 429, 500, 503)
+# any route, from the HTTP server's limits (`limits.py`, `http_server.py`): headers or body
+# too slow, too many connections from one client
+_SERVER = (408, 429)
 
-# (path, method) -> the error statuses it can answer
+# (path, method) -> the error statuses it can answer besides `_SERVER`'s
 ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
-    ("/v1/completions", "post"): _GENERATE,
-    ("/v1/chat/completions", "post"): _GENERATE,
+    ("/v1/completions", "post"): (400, 401, 404, 413, 500, 503),
+    ("/v1/chat/completions", "post"): (400, 401, 404, 413, 500, 503),
     ("/v1/models", "get"): (401,),
     ("/v1/models/{model}", "get"): (401, 404),
     ("/tokenize", "post"): (400, 404, 413),
@@ -81,7 +85,7 @@ def declare(schema: dict) -> None:
         for method, op in methods.items():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
-            for status in ROUTES.get((path, method), ()):
+            for status in (*ROUTES.get((path, method), ()), *_SERVER):
                 responses[str(status)] = {
                     "description": WHEN[status],
                     "content": {"application/json": {"schema": _ERROR_REF}},

@@ -1,5 +1,5 @@
 """Issue 29, finding 5: `/openapi.json` declares the responses the gateway really gives
-(400, 401, 404, 413, 429, 503 with the OpenAI error body; no 422, which it never sends) and
+(400, 401, 404, 408, 413, 429, 503 with the OpenAI error body; no 422, which it never sends) and
 the media types it sends (SSE streams, `/metrics` as text), and `GET /v1/models/{model}`."""
 from __future__ import annotations
 
@@ -29,12 +29,14 @@ def doc(app):
 
 def test_error_statuses_are_declared_with_the_error_body(doc):
     paths = doc["paths"]
-    want = {("/v1/completions", "post"): {400, 401, 404, 413, 429, 503},
-            ("/v1/chat/completions", "post"): {400, 401, 404, 413, 429, 503},
-            ("/v1/models", "get"): {401},
-            ("/v1/models/{model}", "get"): {401, 404},
-            ("/tokenize", "post"): {400, 404, 413},
-            ("/detokenize", "post"): {400, 404, 413}}
+    want = {("/v1/completions", "post"): {400, 401, 404, 408, 413, 429, 503},
+            ("/v1/chat/completions", "post"): {400, 401, 404, 408, 413, 429, 503},
+            ("/v1/models", "get"): {401, 408, 429},
+            ("/v1/models/{model}", "get"): {401, 404, 408, 429},
+            ("/tokenize", "post"): {400, 404, 408, 413, 429},
+            ("/detokenize", "post"): {400, 404, 408, 413, 429},
+            ("/health", "get"): {408, 429},
+            ("/metrics", "get"): {408, 429}}
     for (path, method), statuses in want.items():
         responses = paths[path][method]["responses"]
         assert statuses <= {int(s) for s in responses}, (path, responses)
