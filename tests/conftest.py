@@ -39,6 +39,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def subnormals_as_they_were():
+    """`splitstack`'s `main` flushes subnormals to zero for its whole process
+    (`services.common.process`); a test that runs it in this process must not leave that
+    on for the tests after it (Hypothesis, for one, refuses to draw floats under it)."""
+    yield
+    torch.set_flush_denormal(False)
+
+
 @pytest.fixture(scope="session")
 def tiny_configs() -> dict[str, dict]:
     return load_configs("tiny")
