@@ -23,6 +23,7 @@ Every refusal has an OpenAI-style body and is counted in
 from __future__ import annotations
 
 import asyncio
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 
@@ -54,9 +55,10 @@ class HttpLimits:
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not value >= (0 if f.name ==
-                                                        "max_waiting_requests" else 1e-3):
-                raise ValueError(f"{f.name} must be positive, got {value!r}")
+            # max_waiting_requests may be 0: nothing waits beyond the running slots
+            least, what = (0, "≥ 0") if f.name == "max_waiting_requests" else (1e-9, "> 0")
+            if isinstance(value, bool) or not value >= least:
+                raise ValueError(f"{f.name} must be {what}, got {value!r}")
 
 
 class LimitMetrics:
@@ -73,7 +75,7 @@ async def refuse(scope, receive, send, error: APIError, reason: str, metrics: Li
     metrics.refusals.labels(reason).inc()
     headers = {}
     if retry_after is not None:
-        headers["Retry-After"] = str(max(1, int(retry_after + 0.999)))
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
     if close:
         headers["Connection"] = "close"
     await JSONResponse(error.body(), status_code=error.status, headers=headers)(

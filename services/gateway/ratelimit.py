@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -177,7 +178,7 @@ def install(app, limits: RateLimits) -> None:
                        metrics=app.state.limit_metrics)
 
     async def rate_limited(_, exc: RateLimited):
-        wait = str(max(1, int(exc.retry_after + 0.999)))
+        wait = str(max(1, math.ceil(exc.retry_after)))
         return JSONResponse(exc.body(), status_code=429, headers={"Retry-After": wait})
 
     app.add_exception_handler(RateLimited, rate_limited)
