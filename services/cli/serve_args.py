@@ -35,8 +35,6 @@ GROUPS = {
     "ridgefill": "RidgeFill prefill (requests may override: prefill_mode, ridgefill={...})",
     "prefix": "prefix cache (Tail-Replay; requests may override: replay_ratio)",
     "limits": "HTTP limits and backpressure (refused requests get an OpenAI-style error)",
-    "scaling": "elastic pools (the Ray deployment: PUT /admin/pools/{pool}, splitstack scale) "
-               "and draining on SIGTERM",
     "grpc": "the internal gRPC channels of the Ray deployment: a shared token on every call "
             "(from --grpc-token-file, $SPLITSTACK_GRPC_TOKEN_FILE or $SPLITSTACK_GRPC_TOKEN; "
             "none given: a random one per deployment) and optional TLS",
@@ -159,7 +157,9 @@ class ServeArgs:
     keep_alive_timeout: int = flag(5, "seconds an idle kept-alive connection stays open",
                                    low=1, group="limits")
     max_connections_per_client: int = flag(64, "open connections one client address may hold; "
-                                               "past it 429", low=1, group="limits")
+                                               "past it 429 (behind a proxy every client is "
+                                               "the proxy's address: raise it)", low=1,
+                                           group="limits")
     max_waiting_requests: int = flag(64, "generation requests waiting beyond those the "
                                          "engines run at once; past it 503 with Retry-After",
                                      low=0, group="limits")
@@ -180,14 +180,6 @@ class ServeArgs:
     grpc_tls_key: str | None = flag(None, "PEM private key of --grpc-tls-cert", group="grpc")
     grpc_tls_ca: str | None = flag(None, "PEM CA that clients verify the servers with",
                                    group="grpc")
-
-    max_replicas: int = flag(8, "most members one pool may have; larger counts are refused "
-                                "(400)", low=1, group="scaling")
-    drain_timeout: float = flag(30.0, "seconds a drain may take: after SIGTERM (readiness "
-                                      "503, new generation requests 503) the server exits "
-                                      "once no request is in flight or this passes; a pool "
-                                      "member leaving is killed after it", low=0.0,
-                                group="scaling")
 
     def __post_init__(self):
         for f in fields(self):
