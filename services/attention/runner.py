@@ -154,13 +154,12 @@ class QFirstRunner:
         for s, (rows, slots) in zip(self.shards, st.writes):
             s.write(l, slots, out.k[rows], out.v[rows])
         if parts is None:      # every row in one sweep per shard
-            o, lse = merge_many([s.sweep(l, st.seqs, q, st.limits) for s in self.shards])
-            od, lsed = o[:nd], lse[:nd]
-        else:                  # the prefill rows now, the decode rows were swept early
-            o, _ = merge_many([s.sweep(l, st.prefill, q, st.limits) for s in self.shards])
-            od, lsed = merge_many([(po[:nd], pl[:nd]) for po, pl in parts])
+            parts = [s.sweep(l, st.seqs, q, st.limits) for s in self.shards]
+        elif st.prefill:       # the decode rows were swept early: the prefill rows now
+            parts += [s.sweep(l, st.prefill, q, st.limits) for s in self.shards]
+        o, lse = merge_many(parts)      # a row no part sees merges as empty (lse −inf)
         if nd:   # decode rows: what is cached (< j), then fold in the row's own k, v
-            o[:nd], _ = combine_current(od, lsed, q[:nd], out.k[:nd], out.v[:nd])
+            o[:nd], _ = combine_current(o[:nd], lse[:nd], q[:nd], out.k[:nd], out.v[:nd])
         return m.attn_output(l, out.z, o, gate)
 
     def _gated_deltanet(self, l, out, sched: SchedulerOutput, st: StepRows):
