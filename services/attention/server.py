@@ -107,6 +107,30 @@ class AttentionServicer(pb_grpc.AttentionServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "the step loop has stopped")
         return pb.Empty()
 
+    def UpdatePeers(self, request, context):
+        """Elastic pools: the pool replica list changes on the step loop between two steps
+        (a step's stage calls all go to the replicas it started with); the prefill list at
+        once, for prompts not yet sent (those in flight finish where they are)."""
+        pool = self.loop.engine.runner.pool
+        try:
+            if request.pool_addresses:
+                if self.transport == "local":
+                    raise ValueError("the pool runs inside this attention service "
+                                     "(--transport local): it has no replicas to change")
+                addresses = list(request.pool_addresses)
+                self.loop.call(lambda: pool.set_replicas(addresses))
+            if request.prefill_addresses:
+                if self.prefill is None:
+                    raise ValueError("this attention service prefills through the pool: "
+                                     "it was started without prefill replicas")
+                self.prefill.set_replicas(list(request.prefill_addresses))
+        except (ValueError, NotImplementedError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        log.info("%s: %d pool replica(s), %d prefill replica(s)", self.name,
+                 len(pool.replicas), len(self.prefill.replicas) if self.prefill else 0)
+        return pb.PeersReply(pool_replicas=len(pool.replicas),
+                             prefill_replicas=len(self.prefill.replicas) if self.prefill else 0)
+
 
 def serve_attention(engine: LLMEngine, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",

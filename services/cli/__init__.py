@@ -1,6 +1,7 @@
-"""The `splitstack` command line: `serve`, `generate` and `import-gguf` are defined here;
-`eval`, `calibrate`, `derive` and `convert-qfirst` are research tools (`tools.commands`),
-whose module is imported, and whose flags are parsed, only when that command runs."""
+"""The `splitstack` command line: `serve`, `scale`, `generate` and `import-gguf` are defined
+here; `eval`, `calibrate`, `derive` and `convert-qfirst` are research tools
+(`tools.commands`), whose module is imported, and whose flags are parsed, only when that
+command runs."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +88,9 @@ def _serve_cluster(serve: ServeArgs) -> int:
     limits = serve.http_limits()
     app, cluster = build_cluster(config, address=serve.address,
                                  served_name=serve.served_model_name, api_key=serve.api_key,
-                                 limits=limits, rate_limits=serve.rate_limits())
+                                 limits=limits, rate_limits=serve.rate_limits(),
+                                 max_replicas=serve.max_replicas,
+                                 drain_timeout_s=serve.drain_timeout)
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
@@ -96,7 +99,7 @@ def _serve_cluster(serve: ServeArgs) -> int:
           f"{serve.wiring or 'checkpoint'} wiring, gRPC token"
           f"{' and TLS' if config.security.tls else ''})", file=sys.stderr, flush=True)
     try:
-        serve_http(app, serve.host, serve.port, limits, serve.log_level)
+        serve_http(app, serve.host, serve.port, limits, serve.log_level, serve.drain_timeout)
     finally:
         cluster.shutdown()
     return 0
@@ -119,7 +122,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(embedded engine, {serve.prefill_mode} prefill"
           f"{', prefix cache' if serve.prefix_cache else ''})", file=sys.stderr, flush=True)
-    serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level)
+    serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level,
+               serve.drain_timeout)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    """PUT /admin/pools/{pool}; with --wait, polls GET /admin/pools until the pool has that
+    many ready members and no other."""
+    import json
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    url = args.url.rstrip("/") + "/admin/pools"
+    r = httpx.put(f"{url}/{args.pool}", json={"replicas": args.replicas}, headers=headers,
+                  timeout=30)
+    if r.status_code >= 400:
+        try:
+            message = r.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = r.text
+        print(f"error: {r.status_code}: {message}", file=sys.stderr)
+        return 1
+    pool = r.json()
+    start = time.monotonic()
+    while args.wait:
+        states = [m["state"] for m in pool["members"]]
+        if states == ["ready"] * args.replicas:
+            print(f"{args.pool}: {args.replicas} ready in {time.monotonic() - start:.1f}s",
+                  file=sys.stderr)
+            break
+        if time.monotonic() - start > args.timeout:
+            print(f"error: {args.pool} not settled after {args.timeout:g}s: {states}",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+        pools = httpx.get(url, headers=headers, timeout=30).json()["data"]
+        pool = next(p for p in pools if p["pool"] == args.pool)
+    print(json.dumps(pool, indent=2))
     return 0
 
 
@@ -160,6 +201,18 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     ServeArgs.add_cli_args(srv)
     srv.set_defaults(func=cmd_serve)
+
+    scale = sub.add_parser("scale", help="resize a pool of a running Ray deployment "
+                                         "(PUT /admin/pools/POOL)")
+    scale.add_argument("pool", choices=("attention", "mlp", "prefill"))
+    scale.add_argument("replicas", type=bounded(0), help="the pool's member count")
+    scale.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
+    scale.add_argument("--api-key", default=os.environ.get("SPLITSTACK_API_KEY"),
+                       help="the gateway's API key (default: $SPLITSTACK_API_KEY)")
+    scale.add_argument("--wait", action="store_true",
+                       help="return once the pool has that many ready members")
+    scale.add_argument("--timeout", type=float, default=300.0, help="--wait's limit, seconds")
+    scale.set_defaults(func=cmd_scale)
 
     for name, (_, summary) in TOOLS.items():  # their own parsers read the rest of the line
         sub.add_parser(name, help=summary, add_help=False)

@@ -35,6 +35,8 @@ GROUPS = {
     "ridgefill": "RidgeFill prefill (requests may override: prefill_mode, ridgefill={...})",
     "prefix": "prefix cache (Tail-Replay; requests may override: replay_ratio)",
     "limits": "HTTP limits and backpressure (refused requests get an OpenAI-style error)",
+    "scaling": "elastic pools (the Ray deployment: PUT /admin/pools/{pool}, splitstack scale) "
+               "and draining on SIGTERM",
     "grpc": "the internal gRPC channels of the Ray deployment: a shared token on every call "
             "(from --grpc-token-file, $SPLITSTACK_GRPC_TOKEN_FILE or $SPLITSTACK_GRPC_TOKEN; "
             "none given: a random one per deployment) and optional TLS",
@@ -180,6 +182,14 @@ class ServeArgs:
     grpc_tls_key: str | None = flag(None, "PEM private key of --grpc-tls-cert", group="grpc")
     grpc_tls_ca: str | None = flag(None, "PEM CA that clients verify the servers with",
                                    group="grpc")
+
+    max_replicas: int = flag(8, "most members one pool may have; larger counts are refused "
+                                "(400)", low=1, group="scaling")
+    drain_timeout: float = flag(30.0, "seconds a drain may take: after SIGTERM (readiness "
+                                      "503, new generation requests 503) the server exits "
+                                      "once no request is in flight or this passes; a pool "
+                                      "member leaving is killed after it", low=0.0,
+                                group="scaling")
 
     def __post_init__(self):
         for f in fields(self):

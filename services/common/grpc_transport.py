@@ -58,9 +58,15 @@ class GrpcTransport(Transport):
     """Replicas are `host:port` strings of `services.mlp_pool.grpc_server` servers."""
 
     def __init__(self, replicas: list, security: GrpcSecurity = INSECURE):
-        super().__init__([PoolStream(r, security) if isinstance(r, str) else r
-                          for r in replicas])
+        self.security = security
+        super().__init__([self._open(r) for r in replicas])
         self._ids = itertools.count()
+
+    def _open(self, replica):
+        return PoolStream(replica, self.security) if isinstance(replica, str) else replica
+
+    def _close(self, replica) -> None:
+        replica.close()
 
     def _encode(self, method: str, args) -> pb.PoolRequest:
         rid = next(self._ids)

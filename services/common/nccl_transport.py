@@ -125,6 +125,12 @@ class NcclTransport(GrpcTransport):
             streams.append(NcclPoolStream(address, NcclLink(uid, rank=0), name, security))
         return cls(streams)
 
+    def _open(self, replica):
+        if isinstance(replica, str):
+            raise NotImplementedError(f"nccl: pool replica {replica} needs a link made by the "
+                                      "deployment; replicas join only at startup")
+        return replica
+
     def _send(self, replica: NcclPoolStream, method: str, args) -> None:
         if method == "stage":
             layer, u, positions = args

@@ -39,6 +39,34 @@ class Transport(ABC):
     def _invoke(self, replica, method: str, *args):
         """Run `method(*args)` on `replica` and return its result."""
 
+    def set_replicas(self, replicas: list) -> None:
+        """Use `replicas` from the next call on (elastic pools). Contract: called from the
+        thread that makes the calls, between calls (the attention service's step loop,
+        between steps), so no call is in flight on a removed replica. Replicas already in
+        use (same `_key`) keep their connection; new ones are opened, removed ones closed."""
+        if not replicas:
+            raise ValueError("a transport needs at least one pool replica")
+        current = {self._key(r): r for r in self.replicas}
+        updated = []
+        for r in replicas:
+            kept = current.pop(self._key(r), None)
+            updated.append(kept if kept is not None else self._open(r))
+        self.replicas = updated
+        for gone in current.values():
+            self._close(gone)
+        self._next %= len(self.replicas)
+
+    def _key(self, replica):
+        """What identifies a replica across `set_replicas` calls."""
+        return getattr(replica, "name", replica)
+
+    def _open(self, replica):
+        """The connected replica for `replica` as `set_replicas` was given it."""
+        return replica
+
+    def _close(self, replica) -> None:
+        """Release what `_open` made (a stream, a channel)."""
+
     def call(self, method: str, *args):
         """Round-robin over replicas; on failure, retry each other replica once."""
         n = len(self.replicas)

@@ -38,6 +38,16 @@ from services.deployment.build import EngineOptions
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
 TRANSPORT_NAMES = ("local", "grpc", "nccl")
+POOLS = ("attention", "mlp", "prefill")
+# members a local cluster can hold per pool (each member asks for one unit of its pool's
+# resource; on Kubernetes each pool's worker group declares its own)
+LOCAL_POOL_SLOTS = 64
+
+
+def pool_resource(pool: str) -> str:
+    """The Ray custom resource a member of `pool` asks for: it lands where that resource is
+    (a KubeRay worker group per pool), and waits (`pending`) where none is free."""
+    return f"splitstack_{pool}"
 
 
 @dataclass
@@ -95,7 +105,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     temp = Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "splitstack-ray"
     temp.mkdir(parents=True, exist_ok=True)
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-             _temp_dir=str(temp), _node_ip_address="127.0.0.1", log_to_driver=False)
+             _temp_dir=str(temp), _node_ip_address="127.0.0.1", log_to_driver=False,
+             resources={pool_resource(p): LOCAL_POOL_SLOTS for p in POOLS})
 
 
 def _advertised(address: str) -> str:
@@ -294,38 +305,71 @@ class Cluster:
     prefills: list = field(default_factory=list)
     prefill_addresses: list[str] = field(default_factory=list)
     max_model_len: int = 0
+    starting: list = field(default_factory=list)    # members placed at runtime, not ready
+    closers: list = field(default_factory=list)     # called first by `shutdown`
 
     def shutdown(self) -> None:
         import ray
 
-        for actor in self.attention + self.pools + self.prefills:
+        for close in self.closers:
+            close()
+        for actor in self.attention + self.pools + self.prefills + self.starting:
             ray.kill(actor, no_restart=True)
+
+
+def actor_options(config: ClusterConfig, pool: str) -> dict:
+    """Ray options of a `pool` member: no CPU reservation (actors set their own torch
+    threads), a GPU under `use_gpu`, never restarted (a restarted member would come back
+    with a new address; the pool places a new one instead), and its pool's resource when
+    the cluster declares it (a cluster without them places members anywhere)."""
+    import ray
+
+    opts = {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
+            "max_concurrency": 8}
+    if pool_resource(pool) in ray.cluster_resources():
+        opts["resources"] = {pool_resource(pool): 1}
+    return opts
+
+
+def place_pool(config: ClusterConfig, name: str):
+    """Start one MLP pool replica actor (its address once it serves: `.address.remote()`)."""
+    import ray
+
+    return ray.remote(**actor_options(config, "mlp"))(PoolReplica).remote(
+        config.model, name, config.dtype, config.threads, config.host, config.use_gpu,
+        config.security)
+
+
+def place_prefill(config: ClusterConfig, name: str):
+    import ray
+
+    return ray.remote(**actor_options(config, "prefill"))(PrefillReplica).remote(config, name)
+
+
+def place_attention(config: ClusterConfig, name: str, pools: list, pool_addresses: list[str],
+                    prefill_addresses: list[str], prefills: list):
+    import ray
+
+    return ray.remote(**actor_options(config, "attention"))(AttentionReplica).remote(
+        config, name, pools, pool_addresses, prefill_addresses, prefills)
 
 
 def deploy(config: ClusterConfig) -> Cluster:
     """Place the pool replicas, then the attention services, and wait until all serve."""
     import ray
 
-    opts = {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
-            "max_concurrency": 8}
     cluster = Cluster(config)
     if config.transport != "local":
-        cls = ray.remote(**opts)(PoolReplica)
-        cluster.pools = [cls.options(name=None).remote(config.model, f"pool-{i}", config.dtype,
-                                                      config.threads, config.host,
-                                                      config.use_gpu, config.security)
-                         for i in range(config.mlp_replicas)]
+        cluster.pools = [place_pool(config, f"pool-{i}") for i in range(config.mlp_replicas)]
         cluster.pool_addresses = ray.get([p.address.remote() for p in cluster.pools])
     try:
         if config.prefill_replicas:
-            cls = ray.remote(**opts)(PrefillReplica)
-            cluster.prefills = [cls.remote(config, f"prefill-{i}")
+            cluster.prefills = [place_prefill(config, f"prefill-{i}")
                                 for i in range(config.prefill_replicas)]
             cluster.prefill_addresses = ray.get([p.address.remote() for p in cluster.prefills])
-        cls = ray.remote(**opts)(AttentionReplica)
-        cluster.attention = [cls.remote(config, f"attention-{i}", cluster.pools,
-                                        cluster.pool_addresses, cluster.prefill_addresses,
-                                        cluster.prefills)
+        cluster.attention = [place_attention(config, f"attention-{i}", cluster.pools,
+                                             cluster.pool_addresses, cluster.prefill_addresses,
+                                             cluster.prefills)
                              for i in range(config.attention_shards)]
         cluster.attention_addresses = ray.get([a.address.remote() for a in cluster.attention])
     except Exception:     # a wiring the checkpoint was not trained for, maps for another...

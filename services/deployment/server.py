@@ -41,12 +41,17 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
                   num_cpus: int | None = None, api_key: str | None = None,
-                  limits: HttpLimits | None = None, rate_limits: RateLimits | None = None):
+                  limits: HttpLimits | None = None, rate_limits: RateLimits | None = None,
+                  max_replicas: int = 8, drain_timeout_s: float = 30.0):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
     `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them; every
-    gRPC channel carries `config.security`. Returns (app, cluster)."""
+    gRPC channel carries `config.security`. The pools resize at runtime through the
+    gateway's `/admin/pools` (`services.deployment.pools`: at most `max_replicas` members
+    each; a leaving member busy past `drain_timeout_s` is killed). Returns (app, cluster)."""
+    from services.deployment.placement import RayPlacement
+    from services.deployment.pools import PoolManager
     from services.deployment.ray_cluster import deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
@@ -61,4 +66,24 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
                       remote_prefill=bool(cluster.prefill_addresses))
     slots = config.max_num_seqs * config.attention_shards
-    return build_app(gateway, api_key, limits, rate_limits, running_slots=slots), cluster
+    app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots)
+    placement = RayPlacement(cluster)
+    app.state.pools = PoolManager(placement, backend, placement.members(), max_replicas,
+                                  drain_timeout_s, fixed_pools(config))
+    cluster.closers.append(app.state.pools.close)
+    return app, cluster
+
+
+def fixed_pools(config) -> dict[str, str]:
+    """The pools a deployment cannot resize while serving, with why."""
+    if config.transport == "nccl":
+        why = "under --transport nccl the NCCL links are made at startup only"
+        return {"attention": why, "mlp": why, "prefill": why}
+    fixed = {}
+    if config.transport == "local":
+        fixed["mlp"] = ("the MLP pool runs inside each attention service "
+                        "(--transport local)")
+    if not config.prefill_replicas:
+        fixed["prefill"] = ("this deployment prefills through the MLP pool (started with "
+                            "--prefill-replicas 0)")
+    return fixed

@@ -29,6 +29,18 @@ class StepDriver:
     def abort(self, seq_id: int) -> None:
         self.commands.put(("abort", seq_id))
 
+    def call(self, fn, timeout: float | None = 60.0):
+        """`fn()` on the driver thread between two steps (what must never change mid-step,
+        such as the pool replicas a runner calls); blocks until it ran and returns its
+        result, or raises its error. Not from the driver thread itself."""
+        job = _Call(fn)
+        self.commands.put(("call", job))
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"the step loop did not run the call within {timeout} s")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
     def shutdown(self) -> None:
         self._stop.set()
         self.commands.put(("noop", None))
@@ -45,6 +57,12 @@ class StepDriver:
                 arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params, **arg.extra)
                 self.streams[arg.seq_id] = arg
             except Exception as exc:  # noqa: BLE001 — RequestError and friends: the caller's
+                arg.error = exc
+            arg.done.set()
+        elif kind == "call":
+            try:
+                arg.result = arg.fn()
+            except Exception as exc:  # noqa: BLE001 — raised in the caller
                 arg.error = exc
             arg.done.set()
         elif kind == "abort" and arg in self.streams:
@@ -77,6 +95,14 @@ class StepDriver:
                 self._deliver(out)
             self.stats["steps"] += 1
             self.stats["last_step_s"] = time.perf_counter() - start
+
+
+@dataclass
+class _Call:
+    fn: object
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: Exception | None = None
 
 
 @dataclass

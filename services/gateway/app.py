@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException
 
+from services.gateway.admin import install as install_admin
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.limits import HttpLimits, off_loop
@@ -28,15 +29,15 @@ __all__ = ["Gateway", "RequireAPIKey", "build_app"]
 
 
 class RequireAPIKey:
-    """ASGI middleware: every `/v1/` route needs `Authorization: Bearer <key>` (vLLM's
-    `--api-key`); `/health` and `/metrics` stay open for probes and scrapers. Pure ASGI, so
-    streamed responses and disconnects pass through untouched."""
+    """ASGI middleware: every `/v1/` and `/admin/` route needs `Authorization: Bearer <key>`
+    (vLLM's `--api-key`); `/health`, `/ready` and `/metrics` stay open for probes and
+    scrapers. Pure ASGI, so streamed responses and disconnects pass through untouched."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
@@ -57,6 +58,7 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
     app = FastAPI(title="splitstack")
     app.state.gateway = gateway
     install_limits(app, limits or HttpLimits(), running_slots)
+    install_admin(app)          # /admin/pools, /ready, and the drain on SIGTERM
     if rate_limits is not None and rate_limits.enabled:
         install_rate_limits(app, rate_limits)
     if api_key:

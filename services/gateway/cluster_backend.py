@@ -48,6 +48,7 @@ class _Endpoint:
         self._stub_cls = stub
         self.inflight = 0
         self.down_since: float | None = None
+        self.retired = False      # left routing (a draining service); its streams go on
 
     def connect(self) -> None:
         if self.channel is None:         # created lazily: aio channels bind to the loop
@@ -89,6 +90,7 @@ class ClusterBackend(EngineClient):
         if not addresses:
             raise ValueError("the gateway needs at least one attention service")
         self.gauges = None
+        self.security = security
         self.remote = RemoteMetrics()
         self.peers = ([("prefill", _Endpoint(a, pb_grpc.PrefillStub, security))
                        for a in prefill_addresses]
@@ -120,6 +122,7 @@ class ClusterBackend(EngineClient):
                 "before the move to its first token after it", registry=registry,
                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.endpoints = [_Endpoint(a, security=security) for a in addresses]
+        self._retired: dict[str, _Endpoint] = {}     # out of routing, streams still going
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self._aborted: set[int] = set()   # ids the gateway aborted: never migrated
         self._ids = itertools.count()
@@ -251,7 +254,7 @@ class ClusterBackend(EngineClient):
                 break
             ep, call = moved
             if self.migrations is not None:
-                self.migrations.labels("failure").inc()
+                self.migrations.labels("drain" if ep.retired else "failure").inc()
         queue.put_nowait(StepOutput(gid, None, None, True, "error", reason))
 
     async def _move(self, gid: int, request: pb.GenerateRequest, tokens: list[int],
@@ -281,6 +284,58 @@ class ClusterBackend(EngineClient):
             self.calls[gid] = call
             return ep, call
         return "no live attention service to continue it on"
+
+    # ---- membership (elastic pools; `services.deployment.pools`) ----------------------
+    def set_addresses(self, addresses: list[str]) -> None:
+        """Route new requests to the attention services at `addresses` from now on. Any
+        thread may call it: the list is swapped whole. A service left out keeps its streams
+        (`in_flight`); those still running when it is killed migrate (reason "drain")."""
+        current = {ep.address: ep for ep in self.endpoints}
+        endpoints = []
+        for address in addresses:
+            ep = current.pop(address, None) or self._retired.pop(address, None)
+            if ep is None:
+                ep = _Endpoint(address, security=self.security)
+            ep.retired = False
+            endpoints.append(ep)
+        for ep in current.values():
+            ep.retired = True
+            self._retired[ep.address] = ep
+        self.endpoints = endpoints
+        for address in [a for a, ep in self._retired.items() if ep.inflight == 0]:
+            self._forget(self._retired.pop(address), "attention")
+
+    def in_flight(self, address: str) -> int:
+        """Requests the gateway has streaming from the attention service at `address`."""
+        for ep in (*self.endpoints, *self._retired.values()):
+            if ep.address == address:
+                return ep.inflight
+        return 0
+
+    def set_peers(self, prefill_addresses: list[str], pool_addresses: list[str]) -> None:
+        """The prefill and pool replicas whose metrics `refresh` polls (any thread)."""
+        current = {(kind, ep.address): ep for kind, ep in self.peers}
+        peers = []
+        for kind, stub, addresses in (("prefill", pb_grpc.PrefillStub, prefill_addresses),
+                                      ("pool", pb_grpc.MLPPoolStub, pool_addresses)):
+            for address in addresses:
+                peers.append((kind, current.pop((kind, address), None)
+                              or _Endpoint(address, stub, self.security)))
+        self.peers = peers
+        for (kind, _), ep in current.items():
+            self._forget(ep, kind)
+
+    def _forget(self, ep: _Endpoint, kind: str) -> None:
+        """Drop a member's series: its gauges and re-exported metrics."""
+        self.remote.latest.pop(ep.address, None)
+        if self.gauges is None:
+            return
+        gauges = (self.gauges.values() if kind == "attention" else [self.peer_up[kind]])
+        for gauge in gauges:
+            try:
+                gauge.remove(ep.address)
+            except KeyError:
+                pass
 
     def abort(self, seq_id: int) -> None:
         self._aborted.add(seq_id)

@@ -25,6 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from services.gateway.drain import DrainingServer
 from services.gateway.limits import HttpLimits
 from services.gateway.protocol import APIError
 
@@ -132,5 +133,8 @@ def server_config(app, host: str, port: int, limits: HttpLimits,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES)
 
 
-def serve(app, host: str, port: int, limits: HttpLimits, log_level: str = "info") -> None:
-    uvicorn.Server(server_config(app, host, port, limits, log_level)).run()
+def serve(app, host: str, port: int, limits: HttpLimits, log_level: str = "info",
+          drain_timeout_s: float = 30.0) -> None:
+    """Until SIGTERM, then drains (`services.gateway.drain`) for at most `drain_timeout_s`."""
+    config = server_config(app, host, port, limits, log_level)
+    DrainingServer(config, app.state.drain, drain_timeout_s).run()

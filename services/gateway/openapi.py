@@ -16,14 +16,16 @@ WHEN = {
     400: "The request is malformed or asks for what this server cannot do; `param` names "
          "the field.",
     401: "Missing or invalid API key (a server started with one).",
-    404: "No such model (`code`: model_not_found).",
+    404: "No such model (`code`: model_not_found), or pool (`pool_not_found`; `no_pools`: "
+         "the embedded deployment has none).",
     408: "The request's headers or body did not arrive in time.",
+    409: "The pool cannot be resized in this deployment (`reason` in `GET /admin/pools`).",
     413: "The request body is larger than the server's cap.",
     429: "Over the client's rate limit or its cap on open connections; retry after "
          "`Retry-After` seconds.",
     500: "Generation failed inside the engine.",
-    503: "No engine is serving, or the waiting queue is full; retry after `Retry-After` "
-         "seconds.",
+    503: "No engine is serving, the waiting queue is full, or the server is draining; retry "
+         "after `Retry-After` seconds.",
 }
 # any route, from the HTTP server's limits (`limits.py`, `http_server.py`): headers or body
 # too slow, too many connections from one client
@@ -38,6 +40,9 @@ ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/tokenize", "post"): (400, 404, 413),
     ("/detokenize", "post"): (400, 404, 413),
     ("/health", "get"): (),             # its 503 has its own body (below)
+    ("/ready", "get"): (),              # likewise
+    ("/admin/pools", "get"): (401, 404),
+    ("/admin/pools/{pool}", "put"): (400, 401, 404, 409),
     ("/metrics", "get"): (),
 }
 
@@ -102,11 +107,12 @@ def declare(schema: dict) -> None:
         paths["/metrics"]["get"]["responses"]["200"] = {
             "description": "Prometheus text exposition format 0.0.4",
             "content": {"text/plain": _TEXT}}
-    if "/health" in paths:
-        status = {"schema": {"type": "object", "required": ["status"],
-                             "properties": {"status": {"type": "string"}}}}
-        responses = paths["/health"]["get"]["responses"]
-        responses["200"] = {"description": "An engine is serving",
-                            "content": {"application/json": status}}
-        responses["503"] = {"description": "No engine is serving",
-                            "content": {"application/json": status}}
+    status = {"schema": {"type": "object", "required": ["status"],
+                         "properties": {"status": {"type": "string"}}}}
+    for path, up, down in (("/health", "An engine is serving", "No engine is serving"),
+                           ("/ready", "Serving and not draining",
+                            "Draining (SIGTERM), or no engine is serving")):
+        if path in paths:
+            responses = paths[path]["get"]["responses"]
+            responses["200"] = {"description": up, "content": {"application/json": status}}
+            responses["503"] = {"description": down, "content": {"application/json": status}}

@@ -1,6 +1,8 @@
 """Serves an `MLPPool` over gRPC: one bidirectional stream per client, calls in order."""
 from __future__ import annotations
 
+import threading
+
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -26,6 +28,13 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
 
     def __init__(self, pool: MLPPool, nccl=None, registry=None):
         self.pool, self.nccl, self.registry = pool, nccl, registry
+        self.clients = 0          # open `Calls` streams (a drained replica has none)
+        self.calls = 0            # calls being computed
+        self._lock = threading.Lock()
+
+    def _count(self, name: str, delta: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
 
     def _run(self, req: pb.PoolRequest) -> pb.PoolReply:
         link = self.nccl.link(req.nccl_peer) if req.nccl_peer else None
@@ -59,18 +68,27 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
                             generator_states=states)
 
     def Calls(self, request_iterator, context):
-        for req in request_iterator:
-            try:
-                yield self._run(req)
-            except Exception as exc:  # the caller retries elsewhere; the stream stays up
-                yield pb.PoolReply(id=req.id, error=f"{type(exc).__name__}: {exc}")
+        self._count("clients", 1)
+        try:
+            for req in request_iterator:
+                self._count("calls", 1)
+                try:
+                    reply = self._run(req)
+                except Exception as exc:  # the caller retries elsewhere; the stream stays up
+                    reply = pb.PoolReply(id=req.id, error=f"{type(exc).__name__}: {exc}")
+                finally:
+                    self._count("calls", -1)
+                yield reply
+        finally:
+            self._count("clients", -1)
 
     def Health(self, request, context):
         return pb.Empty()
 
     def Stats(self, request, context):
         text = generate_latest(self.registry).decode() if self.registry is not None else ""
-        return pb.ServiceMetrics(name=self.pool.name, metrics=text)
+        return pb.ServiceMetrics(name=self.pool.name, metrics=text, clients=self.clients,
+                                 calls=self.calls)
 
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,

@@ -149,6 +149,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
         self.prefills = 0
+        self.calls = 0                # `Prefill` calls in flight (a drained replica has none)
+        self._lock = threading.Lock()
         r = self.registry
         self.request_seconds = Histogram(
             "splitstack_prefill_request_seconds", "Prefill replica: from a call's arrival to "
@@ -163,6 +165,15 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             "because their caller never pulled them", registry=r))
 
     def Prefill(self, request, context):
+        with self._lock:
+            self.calls += 1
+        try:
+            yield from self._prefill(request, context)
+        finally:
+            with self._lock:
+                self.calls -= 1
+
+    def _prefill(self, request, context):
         start = time.perf_counter()
         ids = list(request.prompt_ids)
         if request.nccl_peer and self.nccl is None:
@@ -225,7 +236,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return pb.PrefillStats(name=self.name, running=len(self.loop.streams),
                                waiting=len(engine.scheduler.waiting),
                                kv_usage=engine.blocks.usage, prefills=self.prefills,
-                               metrics=text)
+                               metrics=text, calls=self.calls + len(self.transfers))
 
     def Health(self, request, context):
         if not self.loop.thread.is_alive():
@@ -284,13 +295,27 @@ class CancelHandle:
                 call.cancel()
 
 
+class _Replica:
+    """One prefill replica as a client sees it: its channel and stubs, this side's NCCL
+    link to it (nccl transport), and the calls in flight there."""
+
+    def __init__(self, address: str, security: GrpcSecurity, link=None):
+        self.address, self.link = address, link
+        self.channel = security.channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.PrefillStub(self.channel)
+        self.probe = pb_grpc.PrefixCacheStub(self.channel)
+        self.link_lock = threading.Lock()
+        self.inflight = 0
+        self.removed = False      # left the client's list; closed once its calls are done
+
+
 class PrefillClient:
     """Calls the prefill replica with the fewest calls in flight (ties round robin). With
     `cache_aware`, replicas are first probed for the prompt's prefix in their memory tier
     and the one holding the most of it is preferred, unless it has `MAX_SKEW` more calls in
     flight than the least loaded. A replica that cannot be reached, or dies mid-stream, is
     skipped and the prefill made again on the next one: a prefill holds no state.
-    Thread-safe.
+    Thread-safe; `set_replicas` changes the replicas while prefills run.
 
     `links` (nccl transport): one `NcclLink` per replica, this side's end, and `peer` the
     name the replicas know this side by; the KV and states then come over the link,
@@ -309,21 +334,41 @@ class PrefillClient:
             raise ValueError("nccl: give one link per prefill replica and this side's name")
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.links, self.peer = links, peer
-        self._link_locks = [threading.Lock() for _ in addresses]
-        self.addresses = list(addresses)
-        channels = [security.channel(a, options=GRPC_OPTIONS) for a in self.addresses]
-        self.stubs = [pb_grpc.PrefillStub(c) for c in channels]
-        self.probes = ([pb_grpc.PrefixCacheStub(c) for c in channels]
-                       if cache_aware and len(channels) > 1 else None)
-        self.inflight = [0] * len(addresses)
+        self.cache_aware, self.security = cache_aware, security
+        self.replicas = [_Replica(a, security, links[i] if links is not None else None)
+                         for i, a in enumerate(addresses)]
         self.retries = 0
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def _resident(self, prompt_ids: list[int]) -> list[int]:
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.replicas]
+
+    def set_replicas(self, addresses: list[str]) -> None:
+        """Send new prompts to `addresses` from now on. A replica already in use keeps its
+        channel; a removed one finishes the prefills it has in flight, then its channel is
+        closed. Under nccl a new replica needs a link the deployment makes: refused."""
+        if not addresses:
+            raise ValueError("a prefill client needs at least one prefill replica")
+        with self._lock:
+            current = {r.address: r for r in self.replicas}
+            if self.links is not None and set(addresses) - set(current):
+                raise NotImplementedError("nccl: a new prefill replica needs a link made by "
+                                          "the deployment; replicas join only at startup")
+            self.replicas = [current.pop(a, None) or _Replica(a, self.security)
+                             for a in addresses]
+            for gone in current.values():
+                gone.removed = True
+                if gone.inflight == 0:
+                    gone.channel.close()
+
+    def _resident(self, prompt_ids: list[int],
+                  replicas: list[_Replica] | None = None) -> list[int]:
         """Per replica, the prompt's leading tokens in its memory tier (0 if it fails)."""
         request = pb.ProbeRequest(tokens=prompt_ids)
-        futures_ = [p.Probe.future(request, timeout=self.PROBE_TIMEOUT_S) for p in self.probes]
+        futures_ = [r.probe.Probe.future(request, timeout=self.PROBE_TIMEOUT_S)
+                    for r in (self.replicas if replicas is None else replicas)]
         out = []
         for f in futures_:
             try:
@@ -332,52 +377,63 @@ class PrefillClient:
                 out.append(0)
         return out
 
-    def _order(self, prompt_ids: list[int] | None = None) -> list[int]:
-        resident = (self._resident(prompt_ids) if self.probes is not None and prompt_ids
-                    else None)
+    def _order(self, prompt_ids: list[int] | None = None) -> list[_Replica]:
+        replicas = self.replicas
+        resident = (self._resident(prompt_ids, replicas)
+                    if self.cache_aware and len(replicas) > 1 and prompt_ids else None)
         with self._lock:
             turn = next(self._turn)
-            n = len(self.stubs)
-            order = sorted(range(n), key=lambda i: (self.inflight[i], (i - turn) % n))
+            n = len(replicas)
+            order = sorted(range(n), key=lambda i: (replicas[i].inflight, (i - turn) % n))
             if resident is not None:
-                least = self.inflight[order[0]]
+                least = replicas[order[0]].inflight
                 best = max(order, key=lambda i: resident[i])     # stable: least loaded first
-                if resident[best] > 0 and self.inflight[best] - least < self.MAX_SKEW:
+                if resident[best] > 0 and replicas[best].inflight - least < self.MAX_SKEW:
                     order.remove(best)
                     order.insert(0, best)
-            return order
+            return [replicas[i] for i in order]
 
     def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
                 cancel: CancelHandle | None = None) -> PromptExport:
         request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options,
                                     nccl_peer=self.peer if self.links is not None else "")
-        errors = []
-        for i in self._order(prompt_ids):
+        errors, tried = [], set()
+        order = self._order(prompt_ids)
+        while order:
+            replica = order.pop(0)
             if cancel is not None and cancel.cancelled:
                 raise PrefillCancelled()
             with self._lock:
-                self.inflight[i] += 1
+                removed = replica.removed
+                if not removed:
+                    replica.inflight += 1
+            if removed:                      # the list changed since `order` was made
+                order = [r for r in self._order() if r.address not in tried]
+                continue
+            tried.add(replica.address)
             try:
-                call = self.stubs[i].Prefill(request)
+                call = replica.stub.Prefill(request)
                 if cancel is not None:
                     cancel.attach(call)
-                return self._receive(call, len(prompt_ids), i)
+                return self._receive(call, len(prompt_ids), replica)
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.CANCELLED:
                     raise PrefillCancelled() from err
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    raise PrefillFailed(f"prefill replica {self.addresses[i]}: "
+                    raise PrefillFailed(f"prefill replica {replica.address}: "
                                         f"{code.name}: {err.details()}") from err
-                errors.append(f"{self.addresses[i]}: {err.details()}")
+                errors.append(f"{replica.address}: {err.details()}")
                 with self._lock:
                     self.retries += 1
             finally:
                 with self._lock:
-                    self.inflight[i] -= 1
+                    replica.inflight -= 1
+                    if replica.removed and replica.inflight == 0:
+                        replica.channel.close()
         raise PrefillFailed("no prefill replica is available (" + "; ".join(errors) + ")")
 
-    def _receive(self, call, n: int, replica: int = 0) -> PromptExport:
+    def _receive(self, call, n: int, replica: _Replica | None = None) -> PromptExport:
         cfg = self.cfg
         events = iter(call)
         first = next(events, None)
@@ -430,12 +486,11 @@ class PrefillClient:
                 return PromptExport(kv, conv, rec, from_proto(ev.logits))
         raise PrefillFailed("the prefill stream ended before the logits")
 
-    def _pull(self, replica: int, transfer: int, parts) -> None:
+    def _pull(self, replica: _Replica, transfer: int, parts) -> None:
         """nccl: ask the replica to send transfer `transfer`, then receive its tensors in
         order. One pull per link at a time, so concurrent prompts never interleave."""
-        link = self.links[replica]
-        with self._link_locks[replica]:
-            self.stubs[replica].Pull(pb.PullRequest(transfer=transfer, nccl_peer=self.peer,
-                                                    tensors=len(parts)))
+        with replica.link_lock:
+            replica.stub.Pull(pb.PullRequest(transfer=transfer, nccl_peer=self.peer,
+                                             tensors=len(parts)))
             for dst, m in parts:
-                dst.copy_(link.recv(m))
+                dst.copy_(replica.link.recv(m))

@@ -1,0 +1,297 @@
+"""Elastic pools: each pool's desired size and its members, changed while serving.
+
+A member's life, driven by one thread (the manager's) that compares each pool's members
+with its desired count a few times a second:
+
+    placed ─► pending ─► starting ─► ready ─────────────► draining ─► killed
+              (no free   (loading,   (in routing)          (out of routing, finishing
+               resource)  serving)                          what it has in flight)
+
+Joining: a ready pool or prefill replica is handed to every ready attention service
+(`Attention.UpdatePeers`, applied between two steps); a ready attention service gets the
+current peers first, then the gateway routes new requests to it (`set_addresses`).
+Leaving: the member leaves routing first, then finishes its work, and only then is its
+actor killed:
+- mlp: the attention services closed their streams to it at a step boundary, so no stage
+  call is in flight; killed once it reports no client and no call;
+- prefill: killed once no `Prefill` call is in flight there;
+- attention: killed once the gateway has no request streaming from it, or after
+  `drain_timeout_s`; the requests still running then migrate (the gateway re-sends each,
+  with its streamed tokens, to a live service).
+A draining member that does not empty is killed after `drain_timeout_s`. Scaling down takes
+members that are not ready first (they never joined routing), then the newest.
+
+`scale` and `view` may be called from any thread (the gateway's event loop); they take the
+lock and return at once. Placement and the members' RPCs go through a `Placement` (Ray:
+`services.deployment.placement`), routing through the gateway's `ClusterBackend`.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.gateway.admin import PoolError
+
+log = logging.getLogger(__name__)
+
+POOLS = ("attention", "mlp", "prefill")
+PREFIX = {"attention": "attention", "mlp": "pool", "prefill": "prefill"}   # member names
+
+
+class MemberFailed(RuntimeError):
+    """A member died before it served (its actor's constructor failed)."""
+
+
+class Placement(Protocol):
+    def place(self, pool: str, name: str, peers: dict[str, list[str]]):
+        """Start a member; returns a handle for the other calls. `peers`: the ready
+        members' addresses by pool (a new attention service starts with them)."""
+
+    def poll(self, handle) -> tuple[str, str]:
+        """("pending" | "starting", "") or ("ready", address); raises `MemberFailed`."""
+
+    def stats(self, pool: str, address: str) -> dict:
+        """The member's load (numbers by name); raises OSError when it does not answer."""
+
+    def update_peers(self, address: str, mlp: list[str], prefill: list[str]) -> None:
+        """Hand the attention service at `address` its pool and prefill replicas; returns
+        once applied. Raises OSError when it does not answer."""
+
+    def kill(self, handle) -> None: ...
+
+
+class Routing(Protocol):
+    """The gateway's side (`ClusterBackend`)."""
+
+    def set_addresses(self, addresses: list[str]) -> None: ...
+
+    def set_peers(self, prefill_addresses: list[str], pool_addresses: list[str]) -> None: ...
+
+    def in_flight(self, address: str) -> int: ...
+
+
+@dataclass
+class Member:
+    pool: str
+    name: str
+    handle: object
+    state: str = "pending"
+    address: str = ""
+    load: dict = field(default_factory=dict)
+    since: float = field(default_factory=time.monotonic)     # when it entered `state`
+
+    def enter(self, state: str) -> None:
+        self.state, self.since = state, time.monotonic()
+
+
+class PoolManager:
+    TICK_S = 0.2
+    LOAD_EVERY_S = 1.0
+    # a member out of routing is not judged idle before this: a call its clients chose
+    # just before the change may not have reached it yet
+    LEAVE_GRACE_S = 0.5
+    RETRY_AFTER_FAILURE_S = 5.0
+
+    def __init__(self, placement: Placement, routing: Routing,
+                 members: dict[str, list[Member]], max_replicas: int = 8,
+                 drain_timeout_s: float = 30.0, fixed: dict[str, str] | None = None):
+        """`members`: the deployment's ready members by pool (the starting point; their
+        counts are the desired counts). `fixed`: pools this deployment cannot resize, with
+        why (the pool inside the attention service under `local`, no prefill service)."""
+        self.placement, self.routing = placement, routing
+        self.max_replicas, self.drain_timeout_s = max_replicas, drain_timeout_s
+        self.fixed = dict(fixed or {})
+        self.members = {p: list(members.get(p, [])) for p in POOLS}
+        self.desired = {p: len(self.members[p]) for p in POOLS}
+        self.failure: dict[str, tuple[float, str]] = {}      # pool -> (when, why)
+        self._names = {p: itertools.count(len(self.members[p])) for p in POOLS}
+        self._lock = threading.Lock()
+        self._published = self._routed()                     # what routing holds now
+        self._loads_at = 0.0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pool-manager", daemon=True)
+        self._thread.start()
+
+    # ---- the admin API's side (any thread) --------------------------------------------
+    def scale(self, pool: str, replicas: int) -> dict:
+        if pool not in POOLS:
+            raise PoolError(404, f"no pool {pool!r}; pools: {', '.join(POOLS)}", "pool",
+                            "pool_not_found")
+        if pool in self.fixed:
+            raise PoolError(409, f"the {pool} pool cannot be resized: {self.fixed[pool]}",
+                            "pool", "pool_fixed")
+        if not isinstance(replicas, int) or isinstance(replicas, bool):
+            raise PoolError(400, f"replicas must be an integer, got {replicas!r}", "replicas")
+        if not 1 <= replicas <= self.max_replicas:
+            raise PoolError(400, f"replicas must be in [1, {self.max_replicas}] (the "
+                                 f"deployment's --max-replicas), got {replicas}", "replicas")
+        with self._lock:
+            if self.desired[pool] != replicas:
+                log.info("pool %s: %d -> %d replicas", pool, self.desired[pool], replicas)
+            self.desired[pool] = replicas
+            self.failure.pop(pool, None)
+        self._wake.set()
+        return self._pool_view(pool)
+
+    def view(self) -> dict:
+        return {"object": "list", "data": [self._pool_view(p) for p in POOLS]}
+
+    def _pool_view(self, pool: str) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            out = {"pool": pool, "replicas": self.desired[pool], "min_replicas": 1,
+                   "max_replicas": self.max_replicas, "scalable": pool not in self.fixed,
+                   "members": [{"name": m.name, "state": m.state, "address": m.address,
+                                "load": dict(m.load), "since_s": round(now - m.since, 3)}
+                               for m in self.members[pool]]}
+            if pool in self.fixed:
+                out["reason"] = self.fixed[pool]
+            if pool in self.failure:
+                out["last_error"] = self.failure[pool][1]
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- the manager's thread -----------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception:  # noqa: BLE001 — the loop must outlive one bad tick
+                log.exception("pool membership: a reconcile step failed")
+            self._wake.wait(self.TICK_S)
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        for pool in POOLS:
+            self._advance(pool)
+            self._resize(pool)
+        self._publish()
+        for pool in POOLS:
+            self._finish_drains(pool)
+        if time.monotonic() - self._loads_at >= self.LOAD_EVERY_S:
+            self._loads_at = time.monotonic()
+            for pool in POOLS:
+                for m in list(self.members[pool]):
+                    if m.state in ("ready", "draining"):
+                        self._poll_load(m)
+
+    def _advance(self, pool: str) -> None:
+        """pending -> starting -> ready, or gone when it died starting."""
+        for m in [m for m in self.members[pool] if m.state in ("pending", "starting")]:
+            try:
+                state, address = self.placement.poll(m.handle)
+            except MemberFailed as err:
+                log.error("pool %s: %s failed to start: %s", pool, m.name, err)
+                with self._lock:
+                    self.members[pool].remove(m)
+                    self.failure[pool] = (time.monotonic(), f"{m.name}: {err}")
+                continue
+            if state != m.state:
+                with self._lock:
+                    m.address = address
+                    m.enter(state)
+                log.info("pool %s: %s %s%s", pool, m.name, state,
+                         f" at {address}" if address else "")
+
+    def _resize(self, pool: str) -> None:
+        with self._lock:
+            want = self.desired[pool]
+            active = [m for m in self.members[pool] if m.state != "draining"]
+            failed = self.failure.get(pool)
+        if len(active) < want:
+            if failed and time.monotonic() - failed[0] < self.RETRY_AFTER_FAILURE_S:
+                return
+            peers = self._ready()
+            for _ in range(want - len(active)):
+                name = f"{PREFIX[pool]}-{next(self._names[pool])}"
+                try:
+                    handle = self.placement.place(pool, name, peers)
+                except Exception as err:  # noqa: BLE001 — shown in the view, retried later
+                    log.error("pool %s: could not place %s: %s", pool, name, err)
+                    with self._lock:
+                        self.failure[pool] = (time.monotonic(), f"{name}: {err}")
+                    return
+                with self._lock:
+                    self.members[pool].append(Member(pool, name, handle))
+                log.info("pool %s: placed %s", pool, name)
+        elif len(active) > want:
+            order = {"pending": 0, "starting": 1, "ready": 2}
+            victims = sorted(active, key=lambda m: (order[m.state], -m.since))
+            for m in victims[:len(active) - want]:
+                if m.state == "ready":
+                    with self._lock:
+                        m.enter("draining")
+                    log.info("pool %s: draining %s", pool, m.name)
+                else:                          # never joined routing
+                    self._remove(m)
+
+    def _ready(self) -> dict[str, list[str]]:
+        with self._lock:
+            return {p: [m.address for m in self.members[p] if m.state == "ready"]
+                    for p in POOLS}
+
+    def _routed(self) -> tuple:
+        ready = self._ready()
+        return tuple(tuple(ready[p]) for p in POOLS)
+
+    def _publish(self) -> None:
+        """Routing follows the ready members: peers to every ready attention service first,
+        then the gateway's attention list (so a new service serves with current peers)."""
+        routed = self._routed()
+        if routed == self._published:
+            return
+        ready = self._ready()
+        mlp = [] if "mlp" in self.fixed else ready["mlp"]
+        for address in ready["attention"]:
+            try:
+                self.placement.update_peers(address, mlp, ready["prefill"])
+            except OSError as err:        # a dead service: the gateway routes around it
+                log.warning("pool membership: %s did not take its peers: %s", address, err)
+        self.routing.set_addresses(ready["attention"])
+        self.routing.set_peers(ready["prefill"], ready["mlp"])
+        self._published = routed
+
+    def _finish_drains(self, pool: str) -> None:
+        for m in [m for m in self.members[pool] if m.state == "draining"]:
+            waited = time.monotonic() - m.since
+            timed_out = waited >= self.drain_timeout_s
+            if timed_out or (waited >= self.LEAVE_GRACE_S and self._idle(m)):
+                if timed_out:
+                    log.warning("pool %s: %s still busy after %.0f s; killed", pool, m.name,
+                                self.drain_timeout_s)
+                self._remove(m)
+                log.info("pool %s: %s drained and stopped", pool, m.name)
+
+    def _idle(self, m: Member) -> bool:
+        if m.pool == "attention":
+            return self.routing.in_flight(m.address) == 0
+        if not self._poll_load(m):
+            return True                     # gone already: nothing in flight there
+        return m.load.get("calls", 0) == 0 and m.load.get("clients", 0) == 0
+
+    def _poll_load(self, m: Member) -> bool:
+        try:
+            load = self.placement.stats(m.pool, m.address)
+        except OSError:
+            return False
+        if m.pool == "attention":
+            load["in_flight"] = self.routing.in_flight(m.address)
+        with self._lock:
+            m.load = load
+        return True
+
+    def _remove(self, m: Member) -> None:
+        self.placement.kill(m.handle)
+        with self._lock:
+            self.members[m.pool].remove(m)
+        if m.pool == "attention":           # forget its endpoint once nothing streams
+            self.routing.set_addresses(self._ready()["attention"])

@@ -1,0 +1,184 @@
+"""Issue 26 (1): pools resized while serving. SmolLM2 on Ray (one attention service, one MLP
+pool replica, one prefill replica, grpc transport) under a steady load of concurrent greedy
+streams: mlp 1 -> 3 -> 1 and prefill 1 -> 2 -> 1 through the admin API and `splitstack
+scale`, with no failed request, every output the exact engine's, every KV block back, and
+`GET /admin/pools` showing the members' states."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from models import load_model
+from services.cli import main as cli
+from services.common.tokenizer import load_tokenizer
+from services.deployment.ray_cluster import ClusterConfig
+from services.deployment.server import build_cluster
+from services.engine import GenerationParams, LLMEngine
+from tests.helpers.gateway import ZOO, running
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 12
+STREAMS = 4
+
+
+def prompt_ids():
+    gen = torch.Generator().manual_seed(26)
+    return [torch.randint(100, 20000, (n,), generator=gen).tolist() for n in (9, 33, 18, 25)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    tok = load_tokenizer(ZOO)
+    seqs = LLMEngine(load_model(ZOO)).generate(
+        prompt_ids(), GenerationParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    config = ClusterConfig(model=str(ZOO), attention_shards=1, mlp_replicas=1,
+                           prefill_replicas=1, transport="grpc", kv_cache_bytes=64 << 20,
+                           max_num_seqs=8)
+    app, cluster = build_cluster(config, served_name="smollm2-135m", max_replicas=4,
+                                 drain_timeout_s=60.0)
+    with running(app) as base:
+        yield base, cluster
+    cluster.shutdown()
+
+
+class Load:
+    """`STREAMS` clients, each streaming greedy completions back to back until `stop`."""
+
+    def __init__(self, base: str):
+        self.base, self.results, self.stop = base, [], threading.Event()
+        self.threads = [threading.Thread(target=self._client, args=(i,))
+                        for i in range(STREAMS)]
+
+    def _client(self, i: int) -> None:
+        prompts = prompt_ids()
+        n = i
+        while not self.stop.is_set():
+            k = n % len(prompts)
+            n += 1
+            body = {"model": "smollm2-135m", "prompt": prompts[k], "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            text, error = "", None
+            try:
+                with httpx.stream("POST", self.base + "/v1/completions", json=body,
+                                  timeout=120) as r:
+                    if r.status_code != 200:
+                        error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            error = event["error"]["message"]
+                            break
+                        text += event["choices"][0]["text"]
+            except httpx.HTTPError as err:
+                error = f"{type(err).__name__}: {err}"
+            self.results.append((k, text, error))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+
+    def served_more(self, n: int, timeout: float = 120.0) -> None:
+        """Wait until `n` more requests completed."""
+        target = len(self.results) + n
+        deadline = time.monotonic() + timeout
+        while len(self.results) < target:
+            assert time.monotonic() < deadline, "the load stalled"
+            time.sleep(0.1)
+
+
+def pool(base: str, name: str) -> dict:
+    return next(p for p in httpx.get(base + "/admin/pools", timeout=30).json()["data"]
+                if p["pool"] == name)
+
+
+def settle(base: str, name: str, n: int, seen: set, timeout: float = 240.0) -> float:
+    """Seconds until `name` has exactly `n` members, all ready; the states met on the way
+    go into `seen`."""
+    start = time.monotonic()
+    while True:
+        states = [m["state"] for m in pool(base, name)["members"]]
+        seen.update(states)
+        if states == ["ready"] * n:
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, states
+        time.sleep(0.2)
+
+
+def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session):
+    base, handles = cluster
+    seen: dict[str, set] = {"mlp": set(), "prefill": set()}
+    timings = {}
+    with Load(base) as load:
+        load.served_more(STREAMS)
+        r = httpx.put(base + "/admin/pools/mlp", json={"replicas": 3}, timeout=30)
+        assert r.status_code == 202 and r.json()["replicas"] == 3
+        timings["mlp 1->3"] = settle(base, "mlp", 3, seen["mlp"])
+        load.served_more(2 * STREAMS)
+        # the new replicas serve stage calls: the attention service took them in
+        assert all(c > 0 for c in ray_session.get([p.calls.remote() for p in handles.pools]))
+
+        start = time.monotonic()
+        assert cli(["scale", "prefill", "2", "--url", base, "--wait"]) == 0
+        timings["prefill 1->2"] = time.monotonic() - start
+        load.served_more(2 * STREAMS)
+        prefills = [m["load"].get("prefills", 0) for m in pool(base, "prefill")["members"]]
+
+        r = httpx.put(base + "/admin/pools/mlp", json={"replicas": 1}, timeout=30)
+        assert r.status_code == 202
+        timings["mlp 3->1"] = settle(base, "mlp", 1, seen["mlp"])
+        load.served_more(STREAMS)
+        r = httpx.put(base + "/admin/pools/prefill", json={"replicas": 1}, timeout=30)
+        assert r.status_code == 202
+        timings["prefill 2->1"] = settle(base, "prefill", 1, seen["prefill"])
+        load.served_more(2 * STREAMS)
+    print("elastic timings (s):", {k: round(v, 1) for k, v in timings.items()},
+          "requests:", len(load.results), "states seen:", seen)
+
+    failed = [(k, err) for k, _, err in load.results if err is not None]
+    assert failed == []
+    assert all(text == reference[k] for k, text, _ in load.results)
+    assert len(prefills) == 2 and all(n > 0 for n in prefills)    # both prefill replicas served
+    assert seen["mlp"] >= {"starting", "ready"}        # loading weights takes seconds
+    assert len(handles.pools) == 1 == len(handles.prefills)
+    assert handles.starting == []
+    for actor in handles.attention + handles.prefills:
+        free, total = ray_session.get(actor.blocks.remote())
+        assert free == total
+    # the attention service dropped the removed replicas: one stream, one prefill replica
+    members = {p["pool"]: p["members"] for p in
+               httpx.get(base + "/admin/pools", timeout=30).json()["data"]}
+    assert [m["address"] for m in members["mlp"]] == handles.pool_addresses
+    assert [m["address"] for m in members["prefill"]] == handles.prefill_addresses
+    until = time.monotonic() + 10
+    while pool(base, "mlp")["members"][0]["load"].get("clients") != 1:
+        assert time.monotonic() < until, pool(base, "mlp")
+        time.sleep(0.2)
+
+
+def test_admin_refusals_over_http(cluster):
+    base, _ = cluster
+    for name, body, status in (("gpu", {"replicas": 1}, 404), ("mlp", {"replicas": -1}, 400),
+                               ("mlp", {"replicas": 5}, 400), ("mlp", {"replicas": "2"}, 400)):
+        r = httpx.put(f"{base}/admin/pools/{name}", json=body, timeout=30)
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+    assert cli(["scale", "mlp", "9", "--url", base]) == 1
+    assert httpx.get(base + "/ready").json() == {"status": "ready"}
