@@ -131,7 +131,7 @@ class RayPlacement:
                 return {"calls": st.calls, "waiting": st.waiting, "prefills": st.prefills}
             st = pb_grpc.AttentionStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
             return {"running": st.running, "waiting": st.waiting,
-                    "kv_usage": round(st.kv_usage, 4)}
+                    "kv_usage": round(st.kv_usage, 4), "steps": st.steps}
         except grpc.RpcError as err:
             raise OSError(f"{address}: {err.code().name}") from err
 

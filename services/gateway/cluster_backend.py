@@ -248,13 +248,14 @@ class ClusterBackend(EngineClient):
                 break
             log.warning("%s; moving request %d with %d tokens", reason, gid, len(tokens))
             moved_at = moved_at or last_token
+            why = "drain" if ep.retired else "failure"    # it left routing before it ended
             moved = await self._move(gid, request, tokens, ep)
             if isinstance(moved, str):
                 reason += f"; {moved}"
                 break
             ep, call = moved
             if self.migrations is not None:
-                self.migrations.labels("drain" if ep.retired else "failure").inc()
+                self.migrations.labels(why).inc()
         queue.put_nowait(StepOutput(gid, None, None, True, "error", reason))
 
     async def _move(self, gid: int, request: pb.GenerateRequest, tokens: list[int],

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [504, 3575, 282, 4649, 314]
-MAX_TOKENS = 64
+MAX_TOKENS = 96
 
 
 def free_port() -> int:

@@ -1,11 +1,12 @@
-"""Issue 26 (1): pools resized while serving. SmolLM2 on Ray (one attention service, one MLP
-pool replica, one prefill replica, grpc transport) under a steady load of concurrent greedy
-streams: mlp 1 -> 3 -> 1 and prefill 1 -> 2 -> 1 through the admin API and `splitstack
-scale`, with no failed request, every output the exact engine's, every KV block back, and
-`GET /admin/pools` showing the members' states."""
+"""Issue 26 (1, 2): pools resized while serving. SmolLM2 on Ray (one attention service, one
+MLP pool replica, one prefill replica, grpc transport) under a steady load of concurrent
+greedy streams: mlp 1 -> 3 -> 1, prefill 1 -> 2 -> 1 and attention 1 -> 2 -> 1 through the
+admin API and `splitstack scale`, with no failed request, every output the exact engine's,
+every KV block back, and `GET /admin/pools` showing the members' states."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -48,7 +49,7 @@ def cluster(ray_session):
     app, cluster = build_cluster(config, served_name="smollm2-135m", max_replicas=4,
                                  drain_timeout_s=60.0)
     with running(app) as base:
-        yield base, cluster
+        yield base, cluster, app
     cluster.shutdown()
 
 
@@ -124,7 +125,7 @@ def settle(base: str, name: str, n: int, seen: set, timeout: float = 240.0) -> f
 
 
 def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session):
-    base, handles = cluster
+    base, handles, _ = cluster
     seen: dict[str, set] = {"mlp": set(), "prefill": set()}
     timings = {}
     with Load(base) as load:
@@ -132,14 +133,14 @@ def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session
         r = httpx.put(base + "/admin/pools/mlp", json={"replicas": 3}, timeout=30)
         assert r.status_code == 202 and r.json()["replicas"] == 3
         timings["mlp 1->3"] = settle(base, "mlp", 3, seen["mlp"])
-        load.served_more(2 * STREAMS)
+        load.served_more(STREAMS)
         # the new replicas serve stage calls: the attention service took them in
         assert all(c > 0 for c in ray_session.get([p.calls.remote() for p in handles.pools]))
 
         start = time.monotonic()
         assert cli(["scale", "prefill", "2", "--url", base, "--wait"]) == 0
         timings["prefill 1->2"] = time.monotonic() - start
-        load.served_more(2 * STREAMS)
+        load.served_more(STREAMS)
         prefills = [m["load"].get("prefills", 0) for m in pool(base, "prefill")["members"]]
 
         r = httpx.put(base + "/admin/pools/mlp", json={"replicas": 1}, timeout=30)
@@ -149,7 +150,7 @@ def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session
         r = httpx.put(base + "/admin/pools/prefill", json={"replicas": 1}, timeout=30)
         assert r.status_code == 202
         timings["prefill 2->1"] = settle(base, "prefill", 1, seen["prefill"])
-        load.served_more(2 * STREAMS)
+        load.served_more(STREAMS)
     print("elastic timings (s):", {k: round(v, 1) for k, v in timings.items()},
           "requests:", len(load.results), "states seen:", seen)
 
@@ -174,8 +175,46 @@ def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session
         time.sleep(0.2)
 
 
+def migrations(base: str, reason: str) -> float:
+    found = re.search(rf'^splitstack_migrations_total\{{reason="{reason}"\}} ([\d.]+)$',
+                      httpx.get(base + "/metrics", timeout=30).text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_attention_pool_resizes_under_load(cluster, reference, ray_session):
+    """1 -> 2: the new service gets the current peers, then requests; 2 -> 1 with no time to
+    drain: the leaving service's requests move to the other and finish there unchanged."""
+    base, handles, app = cluster
+    with Load(base) as load:
+        load.served_more(STREAMS)
+        start = time.monotonic()
+        assert cli(["scale", "attention", "2", "--url", base, "--wait"]) == 0
+        grown = time.monotonic() - start
+        load.served_more(STREAMS)
+        members = pool(base, "attention")["members"]
+        assert all(m["load"].get("steps", 0) > 0 for m in members), members
+        newest = members[-1]["address"]
+        backend = app.state.gateway.backend
+        deadline = time.monotonic() + 60
+        while backend.in_flight(newest) == 0:          # it holds requests as it leaves
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        app.state.pools.drain_timeout_s = 0.0
+        r = httpx.put(base + "/admin/pools/attention", json={"replicas": 1}, timeout=30)
+        assert r.status_code == 202
+        shrunk = settle(base, "attention", 1, set())
+        load.served_more(STREAMS)
+    print(f"attention 1->2: {grown:.1f}s, 2->1: {shrunk:.1f}s, requests: {len(load.results)}")
+    assert [(k, err) for k, _, err in load.results if err is not None] == []
+    assert all(text == reference[k] for k, text, _ in load.results)
+    assert migrations(base, "drain") >= 1
+    assert len(handles.attention) == 1 and handles.attention_addresses != [newest]
+    free, total = ray_session.get(handles.attention[0].blocks.remote())
+    assert free == total
+
+
 def test_admin_refusals_over_http(cluster):
-    base, _ = cluster
+    base, _, _ = cluster
     for name, body, status in (("gpu", {"replicas": 1}, 404), ("mlp", {"replicas": -1}, 400),
                                ("mlp", {"replicas": 5}, 400), ("mlp", {"replicas": "2"}, 400)):
         r = httpx.put(f"{base}/admin/pools/{name}", json=body, timeout=30)
