@@ -16,14 +16,14 @@ from starlette.exceptions import HTTPException
 from services.gateway.admin import install as install_admin
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
+from services.gateway.gateway import Gateway
 from services.gateway.limits import HttpLimits, off_loop
 from services.gateway.limits import install as install_limits
-from services.gateway.gateway import Gateway
 from services.gateway.openapi import document
-from services.gateway.ratelimit import RateLimits
-from services.gateway.ratelimit import install as install_rate_limits
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, validation_error)
+from services.gateway.ratelimit import RateLimits
+from services.gateway.ratelimit import install as install_rate_limits
 
 __all__ = ["Gateway", "RequireAPIKey", "build_app"]
 
