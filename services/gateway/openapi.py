@@ -65,6 +65,11 @@ _ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
 _RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying",
                                 "schema": {"type": "integer"}}}
 _TEXT = {"schema": {"type": "string"}}
+# one server-sent event, as SSE clients (and schemathesis) parse it: `data` holds a chunk's
+# JSON, or `[DONE]` at the end
+_SSE = {"schema": {"type": "object", "required": ["data"],
+                   "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                  "id": {"type": "string"}, "retry": {"type": "integer"}}}}
 
 
 def document(app: FastAPI) -> None:
@@ -102,7 +107,7 @@ def declare(schema: dict) -> None:
             ok = paths[path]["post"]["responses"]["200"]
             ok["description"] = ("The completion; with `stream: true` an SSE stream of "
                                  "chunks (`data: {...}`), ending with `data: [DONE]`")
-            ok["content"]["text/event-stream"] = _TEXT
+            ok["content"]["text/event-stream"] = _SSE
     if "/metrics" in paths:
         paths["/metrics"]["get"]["responses"]["200"] = {
             "description": "Prometheus text exposition format 0.0.4",
