@@ -14,7 +14,9 @@ and why:
   (max_tokens past the context, best_of below n): 4xx is right;
 - use_after_free, ensure_resource_availability: no resource is created or deleted;
 - ignored_auth: the document declares no security scheme (the API key is checked by a
-  middleware, and every case here sends it).
+  middleware, and every case here sends it);
+- max_response_time: a timing, which a loaded 2-core machine breaks without telling
+  anything about the API.
 """
 from __future__ import annotations
 
@@ -57,8 +59,7 @@ LIMITS = HttpLimits(header_timeout_s=5.0, body_timeout_s=5.0)
 CHECKS = [checks.not_a_server_error, checks.status_code_conformance,
           checks.content_type_conformance, checks.response_headers_conformance,
           checks.response_schema_conformance, checks.negative_data_rejection,
-          checks.missing_required_header, checks.unsupported_method,
-          checks.max_response_time]
+          checks.missing_required_header, checks.unsupported_method]
 statuses = {"embedded": collections.Counter(), "ray": collections.Counter()}
 
 
