@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from services.common.messages import StepOutput
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams
-from services.gateway.client import EngineClient
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.gateway import Gateway
+from tests.helpers.playback import PlaybackEngine
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
 
@@ -124,38 +123,9 @@ def test_a_2000_token_stream_decodes_O_n_tokens(tokenizer):
     assert whole.tokens == n * (n + 1) // 2 > 8 * n
 
 
-class FakeEngine(EngineClient):
-    """Plays back a fixed token sequence, then finishes with `reason`."""
-
-    def __init__(self, tokens: list[int], reason: str = "length"):
-        self.tokens, self.reason, self.aborted = tokens, reason, []
-
-    async def submit(self, prompt_ids, params):
-        out: asyncio.Queue = asyncio.Queue()
-        for i, t in enumerate(self.tokens):
-            last = i == len(self.tokens) - 1
-            out.put_nowait(StepOutput(0, t, -1.0, last, self.reason if last else None))
-        return 0, out
-
-    def abort(self, seq_id):
-        self.aborted.append(seq_id)
-
-    def healthy(self):
-        return True
-
-    def kv_usage(self):
-        return 0.0
-
-    def num_running(self):
-        return 0
-
-    async def refresh(self):
-        return None
-
-
 def generate(tokenizer, tokens, stops=(), min_tokens=0, include=False, skip=True):
     """The gateway's deltas for a request that generates `tokens`."""
-    gateway = Gateway(FakeEngine(tokens), tokenizer, "m", 4096)
+    gateway = Gateway(PlaybackEngine(tokens), tokenizer, "m", 4096)
     params = GenerationParams(max_tokens=len(tokens), min_tokens=min_tokens)
 
     async def run():
