@@ -140,8 +140,14 @@ def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session
         start = time.monotonic()
         assert cli(["scale", "prefill", "2", "--url", base, "--wait"]) == 0
         timings["prefill 1->2"] = time.monotonic() - start
-        load.served_more(STREAMS)
-        prefills = [m["load"].get("prefills", 0) for m in pool(base, "prefill")["members"]]
+        # the new replica is in routing once the attention service has applied its peer
+        # list (between two steps): give the load until both replicas have prefilled
+        deadline = time.monotonic() + 120
+        while True:
+            load.served_more(STREAMS)
+            prefills = [m["load"].get("prefills", 0) for m in pool(base, "prefill")["members"]]
+            if all(n > 0 for n in prefills) or time.monotonic() > deadline:
+                break
 
         r = httpx.put(base + "/admin/pools/mlp", json={"replicas": 1}, timeout=30)
         assert r.status_code == 202
