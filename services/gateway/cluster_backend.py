@@ -161,26 +161,15 @@ class ClusterBackend(EngineClient):
         order = sorted(range(len(live)), key=lambda i: (live[i].inflight,
                                                         (i - turn) % len(live)))
         for ep in (live[i] for i in order):
-            ep.connect()
-            ep.inflight += 1             # counted from now, so concurrent submits spread
-            call = ep.stub.Generate(request)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as err:
-                ep.inflight -= 1
-                self._mark_down(ep, err)
-                errors.append(f"{ep.address}: {err.details()}")
+            call, first = await self._open(ep, request)
+            if call is None:
+                errors.append(f"{ep.address}: {first}")
                 continue
-            if first is grpc.aio.EOF or first.refused:
-                ep.inflight -= 1
-                if first is grpc.aio.EOF:
-                    errors.append(f"{ep.address}: closed the stream")
-                    continue
+            if first.refused:
                 raise RemoteRequestError(first.error_field, first.error)
             gid = next(self._ids)
             queue: asyncio.Queue = asyncio.Queue()
             if first.finished:       # failed before it started (its prefill, say)
-                ep.inflight -= 1
                 queue.put_nowait(StepOutput(gid, None, None, True, first.finish_reason or
                                             "error", first.error or None))
                 return gid, queue
@@ -190,6 +179,26 @@ class ClusterBackend(EngineClient):
         raise APIError(503, "no attention service is available"
                        + (f" ({'; '.join(errors)})" if errors else ""),
                        type_="service_unavailable")
+
+    async def _open(self, ep: _Endpoint, request: pb.GenerateRequest):
+        """Start `request` on `ep` and read its first event -> (call, event), or (None, why)
+        when the service is unreachable or closed the stream. `ep.inflight` counts the call
+        from the start, so concurrent submits spread, and stops counting it unless it
+        runs on (acknowledged, not refused, not finished)."""
+        ep.connect()
+        ep.inflight += 1
+        call = ep.stub.Generate(request)
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as err:
+            ep.inflight -= 1
+            self._mark_down(ep, err)
+            return None, err.details()
+        if first is grpc.aio.EOF or first.refused or first.finished:
+            ep.inflight -= 1
+            if first is grpc.aio.EOF:
+                return None, "closed the stream"
+        return call, first
 
     async def _pump(self, gid: int, ep: _Endpoint, call, queue: asyncio.Queue,
                     request: pb.GenerateRequest) -> None:
@@ -268,19 +277,10 @@ class ClusterBackend(EngineClient):
         live = sorted((ep for ep in await self._live() if ep is not failed),
                       key=lambda ep: ep.inflight)
         for ep in live:
-            ep.connect()
-            ep.inflight += 1
-            call = ep.stub.Generate(resumed)
-            try:
-                first = await call.read()
-            except grpc.aio.AioRpcError as err:
-                ep.inflight -= 1
-                self._mark_down(ep, err)
+            call, first = await self._open(ep, resumed)
+            if call is None:
                 continue
-            if first is grpc.aio.EOF or first.refused or first.finished:
-                ep.inflight -= 1
-                if first is grpc.aio.EOF:
-                    continue
+            if first.refused or first.finished:
                 return f"{ep.address} refused to continue it: {first.error}"
             self.calls[gid] = call
             return ep, call
