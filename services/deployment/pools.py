@@ -263,13 +263,16 @@ class PoolManager:
     def _finish_drains(self, pool: str) -> None:
         for m in [m for m in self.members[pool] if m.state == "draining"]:
             waited = time.monotonic() - m.since
-            timed_out = waited >= self.drain_timeout_s
-            if timed_out or (waited >= self.LEAVE_GRACE_S and self._idle(m)):
-                if timed_out:
-                    log.warning("pool %s: %s still busy after %.0f s; killed", pool, m.name,
-                                self.drain_timeout_s)
+            if waited < min(self.LEAVE_GRACE_S, self.drain_timeout_s):
+                continue
+            idle = self._idle(m)
+            if idle and waited >= self.LEAVE_GRACE_S:
                 self._remove(m)
                 log.info("pool %s: %s drained and stopped", pool, m.name)
+            elif not idle and waited >= self.drain_timeout_s:
+                log.warning("pool %s: %s still busy after %.0f s; killed", pool, m.name,
+                            self.drain_timeout_s)
+                self._remove(m)
 
     def _idle(self, m: Member) -> bool:
         if m.pool == "attention":

@@ -25,6 +25,7 @@ from tests.helpers.gateway import ZOO, running
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
+LONG_TOKENS = 96          # outlives a drain started while it runs, on any machine
 STREAMS = 4
 
 
@@ -39,6 +40,39 @@ def reference():
     seqs = LLMEngine(load_model(ZOO)).generate(
         prompt_ids(), GenerationParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def long_reference():
+    tok = load_tokenizer(ZOO)
+    seqs = LLMEngine(load_model(ZOO)).generate(
+        prompt_ids()[:2], GenerationParams(max_tokens=LONG_TOKENS, ignore_eos=True))
+    return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+
+
+def stream_completion(base: str, prompt: list[int], max_tokens: int,
+                      started: threading.Event | None = None) -> tuple[str, str | None]:
+    """One greedy streamed completion: (text, error message or None); `started` is set at
+    its first text."""
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    text, error = "", None
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return text, event["error"]["message"]
+                text += event["choices"][0]["text"]
+                if started is not None and text:
+                    started.set()
+    except httpx.HTTPError as err:
+        error = f"{type(err).__name__}: {err}"
+    return text, error
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +92,7 @@ class Load:
 
     def __init__(self, base: str):
         self.base, self.results, self.stop = base, [], threading.Event()
+        self.paused = threading.Event()       # set: the clients send nothing new
         self.threads = [threading.Thread(target=self._client, args=(i,))
                         for i in range(STREAMS)]
 
@@ -65,26 +100,12 @@ class Load:
         prompts = prompt_ids()
         n = i
         while not self.stop.is_set():
+            if self.paused.is_set():
+                time.sleep(0.02)
+                continue
             k = n % len(prompts)
             n += 1
-            body = {"model": "smollm2-135m", "prompt": prompts[k], "max_tokens": MAX_TOKENS,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
-            text, error = "", None
-            try:
-                with httpx.stream("POST", self.base + "/v1/completions", json=body,
-                                  timeout=120) as r:
-                    if r.status_code != 200:
-                        error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        event = json.loads(line[6:])
-                        if "error" in event:
-                            error = event["error"]["message"]
-                            break
-                        text += event["choices"][0]["text"]
-            except httpx.HTTPError as err:
-                error = f"{type(err).__name__}: {err}"
+            text, error = stream_completion(self.base, prompts[k], MAX_TOKENS)
             self.results.append((k, text, error))
 
     def __enter__(self):
@@ -187,10 +208,11 @@ def migrations(base: str, reason: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
-def test_attention_pool_resizes_under_load(cluster, reference, ray_session):
+def test_attention_pool_resizes_under_load(cluster, reference, long_reference, ray_session):
     """1 -> 2: the new service gets the current peers, then requests; 2 -> 1 with no time to
     drain: the leaving service's requests move to the other and finish there unchanged."""
     base, handles, app = cluster
+    backend = app.state.gateway.backend
     with Load(base) as load:
         load.served_more(STREAMS)
         start = time.monotonic()
@@ -199,24 +221,50 @@ def test_attention_pool_resizes_under_load(cluster, reference, ray_session):
         load.served_more(STREAMS)
         members = pool(base, "attention")["members"]
         assert all(m["load"].get("steps", 0) > 0 for m in members), members
-        newest = members[-1]["address"]
-        backend = app.state.gateway.backend
-        deadline = time.monotonic() + 60
-        while backend.in_flight(newest) == 0:          # it holds requests as it leaves
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        addresses = [m["address"] for m in members]
+        newest = addresses[-1]
+
+        # Quiet the short load, then start one long stream per service (least-loaded
+        # routing places the second beside the first) and wait for their first text, so
+        # the leaving service surely runs a request when it is killed.
+        load.paused.set()
+        wait_for(lambda: sum(backend.in_flight(a) for a in addresses) == 0)
+        long_results: list = [None, None]
+        long_threads, started = [], [threading.Event(), threading.Event()]
+        for j in range(2):
+            def run(j=j):
+                long_results[j] = stream_completion(base, prompt_ids()[j], LONG_TOKENS,
+                                                    started[j])
+            long_threads.append(threading.Thread(target=run))
+            long_threads[-1].start()
+            wait_for(lambda j=j: sum(backend.in_flight(a) for a in addresses) == j + 1)
+        for event in started:
+            assert event.wait(60)
+        assert [backend.in_flight(a) for a in addresses] == [1, 1]
+
         app.state.pools.drain_timeout_s = 0.0
         r = httpx.put(base + "/admin/pools/attention", json={"replicas": 1}, timeout=30)
         assert r.status_code == 202
         shrunk = settle(base, "attention", 1, set())
+        load.paused.clear()
         load.served_more(STREAMS)
+        for t in long_threads:
+            t.join(timeout=180)
     print(f"attention 1->2: {grown:.1f}s, 2->1: {shrunk:.1f}s, requests: {len(load.results)}")
     assert [(k, err) for k, _, err in load.results if err is not None] == []
     assert all(text == reference[k] for k, text, _ in load.results)
+    assert long_results == [(text, None) for text in long_reference]
     assert migrations(base, "drain") >= 1
     assert len(handles.attention) == 1 and handles.attention_addresses != [newest]
     free, total = ray_session.get(handles.attention[0].blocks.remote())
     assert free == total
+
+
+def wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
 
 
 def test_admin_refusals_over_http(cluster):
