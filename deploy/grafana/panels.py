@@ -1,0 +1,139 @@
+"""Building blocks of the splitstack dashboards (grafana-foundation-sdk, Grafana 11.6): the
+datasource and template variables, the label selector every query carries, PromQL helpers
+and the two panel kinds used (time series and stat), each with a title, a unit and a
+description."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+
+DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+
+# Every series a dashboard reads carries this selector: `namespace` is the Kubernetes
+# namespace (absent on a local scrape, which `.*` matches), `service` picks the scrape job,
+# one per splitstack deployment (the gateway's /metrics covers all of it).
+SEL = 'namespace=~"$namespace", job=~"$service"'
+WINDOW = "$__rate_interval"
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def sel(extra: str = "") -> str:
+    """`{selector}` with `extra` matchers appended (e.g. `reason="error"`)."""
+    return "{" + SEL + (", " + extra if extra else "") + "}"
+
+
+def by(labels: tuple[str, ...]) -> str:
+    return f" by ({', '.join(labels)})" if labels else ""
+
+
+def rate(name: str, labels: tuple[str, ...] = (), extra: str = "") -> str:
+    """Per-second rate of a counter, summed over everything but `labels`."""
+    return f"sum{by(labels)} (rate({name}{sel(extra)}[{WINDOW}]))"
+
+
+def increase(name: str, labels: tuple[str, ...] = (), extra: str = "") -> str:
+    return f"sum{by(labels)} (increase({name}{sel(extra)}[{WINDOW}]))"
+
+
+def quantile(q: float, histogram: str, labels: tuple[str, ...] = ()) -> str:
+    """The q-quantile of a histogram (`histogram` without `_bucket`) over the window."""
+    return (f"histogram_quantile({q}, sum by ({', '.join(('le', *labels))}) "
+            f"(rate({histogram}_bucket{sel()}[{WINDOW}])))")
+
+
+def mean(histogram: str, labels: tuple[str, ...] = ()) -> str:
+    """Mean observation of a histogram over the window (sum / count)."""
+    return f"{rate(histogram + '_sum', labels)} / {rate(histogram + '_count', labels)}"
+
+
+def zero_if_none(expr: str, present: str) -> str:
+    """`expr`, or 0 for each series of `present` while `expr` has no series: a counter
+    with labels has none until its first event (no error yet), and a panel should say 0
+    rather than "No data" while the deployment (`present`) is up."""
+    return f"({expr}) or (0 * {present})"
+
+
+def quantile_targets(histogram: str, labels: tuple[str, ...] = (),
+                     legend: str = "") -> list[tuple[str, str]]:
+    return [(quantile(q, histogram, labels), f"{legend}p{round(q * 100)}")
+            for q in QUANTILES]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel: `targets` are (PromQL, legend) pairs. `kind`: timeseries or stat."""
+    title: str
+    unit: str
+    description: str
+    targets: list[tuple[str, str]]
+    kind: str = "timeseries"
+    width: int = 12
+    height: int = 8
+    stack: bool = False
+    max: float | None = None
+
+    def builder(self):
+        p = stat.Panel() if self.kind == "stat" else timeseries.Panel()
+        p = (p.title(self.title).description(self.description).unit(self.unit)
+             .datasource(DATASOURCE).span(self.width).height(self.height).min(0))
+        if self.max is not None:
+            p = p.max(self.max)
+        for i, (expr, legend) in enumerate(self.targets):
+            p = p.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
+                              .ref_id(chr(ord("A") + i)).range())
+        if self.kind == "stat":
+            return (p.graph_mode(cm.BigValueGraphMode.AREA)
+                    .color_mode(cm.BigValueColorMode.VALUE)
+                    .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"])
+                                    .values(False)))
+        p = (p.line_width(1).fill_opacity(10).show_points(cm.VisibilityMode.NEVER)
+             .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST)
+                     .placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+             .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI)
+                      .sort(cm.SortOrder.DESCENDING)))
+        if self.stack:
+            p = p.stacking(cb.StackingConfig().mode(cm.StackingMode.NORMAL))
+        return p
+
+
+def variables() -> list:
+    """Datasource, namespace and service (the scrape job), each defaulting to all."""
+    def query_var(name: str, label: str, query: str, description: str):
+        return (db.QueryVariable(name).label(label).description(description)
+                .datasource(DATASOURCE).query(query)
+                .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                .sort(dm.VariableSort.ALPHABETICAL_ASC)
+                .include_all(True).all_value(".*").multi(False)
+                .current(dm.VariableOption(selected=True, text="All", value="$__all")))
+
+    return [
+        db.DatasourceVariable("datasource").label("Data source").type("prometheus")
+        .description("The Prometheus that scrapes the splitstack gateway"),
+        query_var("namespace", "Namespace",
+                  "label_values(splitstack_requests_running, namespace)",
+                  "Kubernetes namespace of the deployment (none on a local scrape)"),
+        query_var("service", "Service",
+                  'label_values(splitstack_requests_running{namespace=~"$namespace"}, job)',
+                  "The splitstack deployment: the Prometheus job scraping its gateway"),
+    ]
+
+
+def dashboard(uid: str, title: str, description: str, tags: list[str],
+              rows: list[tuple[str, list[Panel]]]) -> dict:
+    """The dashboard as a JSON-ready dict; panel ids numbered in layout order."""
+    d = (db.Dashboard(title).uid(uid).description(description).tags(["splitstack", *tags])
+         .editable().refresh("10s").time("now-30m", "now").timezone("browser")
+         .tooltip(dm.DashboardCursorSync.CROSSHAIR).variables(variables()))
+    for row_title, panels in rows:
+        d = d.with_row(db.Row(row_title))
+        for panel in panels:
+            d = d.with_panel(panel.builder())
+    model = d.build()
+    for i, panel in enumerate(model.panels, start=1):
+        panel.id_val = i
+    return model.to_json()
