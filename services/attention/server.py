@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import generate_latest
 
 from kernels.sampling import SamplingError
+from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import asks_for_prefill, params_from_proto, prompt_logprob_fields
@@ -100,7 +101,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                  wiring=runner.wiring, transport=self.transport,
                                  prefill_retries=self.prefill.retries if self.prefill else 0,
                                  metrics=(generate_latest(self.registry).decode()
-                                          if self.registry is not None else ""))
+                                          if self.registry is not None else ""),
+                                 draining=sigterm.draining())
 
     def Health(self, request, context):
         if not self.loop.thread.is_alive():

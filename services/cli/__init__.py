@@ -90,7 +90,8 @@ def _serve_cluster(serve: ServeArgs) -> int:
                                  served_name=serve.served_model_name, api_key=serve.api_key,
                                  limits=limits, rate_limits=serve.rate_limits(),
                                  max_replicas=serve.max_replicas,
-                                 drain_timeout_s=serve.drain_timeout)
+                                 drain_timeout_s=serve.drain_timeout,
+                                 autoscaler=serve.autoscaler())
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "

@@ -22,6 +22,7 @@ from services.cli.argtypes import DTYPES, bounded, describe_range, in_range
 
 if TYPE_CHECKING:
     from services.common.grpc_security import GrpcSecurity
+    from services.deployment.autoscale import Autoscaler
     from services.deployment.build import EngineOptions
     from services.deployment.ray_cluster import ClusterConfig
     from services.gateway.limits import HttpLimits
@@ -190,6 +191,21 @@ class ServeArgs:
                                       "once no request is in flight or this passes; a pool "
                                       "member leaving is killed after it", low=0.0,
                                 group="scaling")
+    autoscale: str | None = flag(None, "autoscale these pools between MIN and MAX members, "
+                                       "e.g. attention=1:4,mlp=1:4,prefill=1:2 (signals: KV "
+                                       "usage and waiting requests; MLP stage latency and "
+                                       "busy share; prefill queue and TTFT)", group="scaling")
+    autoscale_interval: float = flag(10.0, "seconds between the autoscaler's decisions (at "
+                                           "most one change per pool each)", low=0.1,
+                                     group="scaling")
+    autoscale_cooldown: float = flag(30.0, "seconds a pool waits after a change before the "
+                                           "autoscaler changes it again", low=0.0,
+                                     group="scaling")
+    slo_ttft_ms: float | None = flag(None, "TTFT p95 target: over it, the autoscaler adds a "
+                                           "prefill replica", low=1.0, group="scaling")
+    slo_itl_ms: float | None = flag(None, "inter-token latency p95 target: over it, the "
+                                          "autoscaler adds an attention service or MLP replica",
+                                    low=1.0, group="scaling")
 
     def __post_init__(self):
         for f in fields(self):
@@ -204,6 +220,37 @@ class ServeArgs:
         self.rate_limits()
         if self.uses_cluster:
             self.cluster_config()
+        self.autoscaler()
+
+    def autoscaler(self) -> Autoscaler | None:
+        """The `--autoscale` autoscaler, or None; a malformed value raises FlagError."""
+        from services.deployment.autoscale import (AutoscaleError, Autoscaler, Policy,
+                                                   parse_autoscale)
+
+        if self.autoscale is None:
+            if self.slo_ttft_ms is not None or self.slo_itl_ms is not None:
+                raise FlagError("--slo-ttft-ms", self.slo_ttft_ms,
+                                "--slo-ttft-ms and --slo-itl-ms are autoscaler targets: give "
+                                "--autoscale too")
+            return None
+        if not self.uses_cluster:
+            raise FlagError("--autoscale", self.autoscale, "--autoscale resizes the Ray "
+                            "deployment's pools: give a Q-First flag too (e.g. "
+                            "--disaggregated)")
+        try:
+            bounds = parse_autoscale(self.autoscale)
+        except AutoscaleError as err:
+            raise FlagError("--autoscale", self.autoscale, f"--autoscale {err}") from None
+        for pool, (_, high) in bounds.items():
+            if high > self.max_replicas:
+                raise FlagError("--autoscale", self.autoscale,
+                                f"--autoscale {pool}'s MAX {high} is over --max-replicas "
+                                f"{self.max_replicas}")
+        ms = (lambda v: None if v is None else v / 1e3)
+        return Autoscaler(bounds, Policy(interval_s=self.autoscale_interval,
+                                         cooldown_s=self.autoscale_cooldown,
+                                         slo_ttft_s=ms(self.slo_ttft_ms),
+                                         slo_itl_s=ms(self.slo_itl_ms)))
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -306,7 +353,8 @@ class ServeArgs:
             transport=self.transport or "grpc", kv_splits=self.kv_splits,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
             dtype=self.dtype, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
-            prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security())
+            prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security(),
+            drain_timeout_s=self.drain_timeout)
 
 
 def _kind(hint) -> tuple[type, bool]:

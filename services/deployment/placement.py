@@ -15,6 +15,7 @@ import grpc
 
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
+from services.deployment.autoscale import histogram_totals
 from services.deployment.pools import POOLS, Member, MemberFailed
 from services.deployment.ray_cluster import (Cluster, place_attention, place_pool,
                                              place_prefill)
@@ -125,13 +126,20 @@ class RayPlacement:
         try:
             if pool == "mlp":
                 st = pb_grpc.MLPPoolStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
-                return {"clients": st.clients, "calls": st.calls}
+                stage_s, stage_calls = histogram_totals(st.metrics,
+                                                        "splitstack_pool_stage_seconds")
+                rows, batches = histogram_totals(st.metrics, "splitstack_pool_batch_rows")
+                return {"clients": st.clients, "calls": st.calls, "stage_s": stage_s,
+                        "stage_calls": stage_calls, "rows": rows, "batches": batches,
+                        "draining": st.draining}
             if pool == "prefill":
                 st = pb_grpc.PrefillStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
-                return {"calls": st.calls, "waiting": st.waiting, "prefills": st.prefills}
+                return {"calls": st.calls, "waiting": st.waiting, "prefills": st.prefills,
+                        "draining": st.draining}
             st = pb_grpc.AttentionStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
             return {"running": st.running, "waiting": st.waiting,
-                    "kv_usage": round(st.kv_usage, 4), "steps": st.steps}
+                    "kv_usage": round(st.kv_usage, 4), "steps": st.steps,
+                    "draining": st.draining}
         except grpc.RpcError as err:
             raise OSError(f"{address}: {err.code().name}") from err
 

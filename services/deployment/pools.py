@@ -10,8 +10,9 @@ with its desired count a few times a second:
 Joining: a ready pool or prefill replica is handed to every ready attention service
 (`Attention.UpdatePeers`, applied between two steps); a ready attention service gets the
 current peers first, then the gateway routes new requests to it (`set_addresses`).
-Leaving: the member leaves routing first, then finishes its work, and only then is its
-actor killed:
+Leaving (a smaller desired count, or SIGTERM to the member's process, which its `Stats`
+report; see `services.common.sigterm`: then a replacement is placed as well): the member
+leaves routing first, then finishes its work, and only then is its actor killed:
 - mlp: the attention services closed their streams to it at a step boundary, so no stage
   call is in flight; killed once it reports no client and no call;
 - prefill: killed once no `Prefill` call is in flight there;
@@ -20,6 +21,11 @@ actor killed:
   with its streamed tokens, to a live service).
 A draining member that does not empty is killed after `drain_timeout_s`. Scaling down takes
 members that are not ready first (they never joined routing), then the newest.
+
+An `Autoscaler` (`services.deployment.autoscale`) may set the desired counts too, every
+`policy.interval_s`, from the members' load; each change of a desired count is logged with
+its reason and counted in `splitstack_scale_events_total`, and `splitstack_pool_replicas`
+exports the members by state.
 
 `scale` and `view` may be called from any thread (the gateway's event loop); they take the
 lock and return at once. Placement and the members' RPCs go through a `Placement` (Ray:
@@ -34,11 +40,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prometheus_client import Counter, Gauge
+
+from services.deployment.autoscale import Autoscaler, Window, bucket_counts, quantile_between
 from services.gateway.admin import PoolError
 
 log = logging.getLogger(__name__)
 
 POOLS = ("attention", "mlp", "prefill")
+STATES = ("pending", "starting", "ready", "draining")
+# load figures that count up over a member's life: the autoscaler reads their change
+CUMULATIVE = {"stage_s": "stage_s", "stage_calls": "stage_calls", "rows": "rows",
+              "batches": "batches", "prefills": "prefilled"}
 PREFIX = {"attention": "attention", "mlp": "pool", "prefill": "prefill"}   # member names
 
 
@@ -88,6 +101,16 @@ class Member:
         self.state, self.since = state, time.monotonic()
 
 
+class PoolMetrics:
+    def __init__(self, registry):
+        self.replicas = Gauge("splitstack_pool_replicas", "Members of each pool by state "
+                              "(pending: waiting for a free resource)", ["pool", "state"],
+                              registry=registry)
+        self.scale_events = Counter("splitstack_scale_events_total", "Changes of a pool's "
+                                    "desired size (reason: admin or autoscale)",
+                                    ["pool", "direction", "reason"], registry=registry)
+
+
 class PoolManager:
     TICK_S = 0.2
     LOAD_EVERY_S = 1.0
@@ -98,10 +121,15 @@ class PoolManager:
 
     def __init__(self, placement: Placement, routing: Routing,
                  members: dict[str, list[Member]], max_replicas: int = 8,
-                 drain_timeout_s: float = 30.0, fixed: dict[str, str] | None = None):
+                 drain_timeout_s: float = 30.0, fixed: dict[str, str] | None = None,
+                 registry=None, autoscaler: Autoscaler | None = None, latency=()):
         """`members`: the deployment's ready members by pool (the starting point; their
         counts are the desired counts). `fixed`: pools this deployment cannot resize, with
-        why (the pool inside the attention service under `local`, no prefill service)."""
+        why (the pool inside the attention service under `local`, no prefill service).
+        `registry`: where `splitstack_pool_replicas` and `splitstack_scale_events_total`
+        go. `autoscaler` (`services.deployment.autoscale`) sets the desired counts of the
+        pools it bounds every `policy.interval_s`; `latency`: the gateway's TTFT and ITL
+        histograms, for its SLO signals."""
         self.placement, self.routing = placement, routing
         self.max_replicas, self.drain_timeout_s = max_replicas, drain_timeout_s
         self.fixed = dict(fixed or {})
@@ -110,6 +138,17 @@ class PoolManager:
         self.failure: dict[str, tuple[float, str]] = {}      # pool -> (when, why)
         self._names = {p: itertools.count(len(self.members[p])) for p in POOLS}
         self._lock = threading.Lock()
+        self.metrics = PoolMetrics(registry) if registry is not None else None
+        self.autoscaler, self._latency = autoscaler, tuple(latency)
+        self.last_decision: dict[str, str] = {}               # pool -> why, for the view
+        self._window_at = time.monotonic()
+        self._window_loads: dict[str, dict] = {}              # member name -> load then
+        self._window_buckets = [bucket_counts(h) for h in self._latency]
+        for pool, (low, high) in (autoscaler.bounds.items() if autoscaler else ()):
+            if not low <= self.desired[pool] <= high:
+                self._set_desired(pool, min(max(self.desired[pool], low), high), "autoscale",
+                                  f"the autoscale bounds are {low}:{high}")
+        self._export()
         self._published = self._routed()                     # what routing holds now
         self._loads_at = 0.0
         self._wake = threading.Event()
@@ -130,13 +169,25 @@ class PoolManager:
         if not 1 <= replicas <= self.max_replicas:
             raise PoolError(400, f"replicas must be in [1, {self.max_replicas}] (the "
                                  f"deployment's --max-replicas), got {replicas}", "replicas")
-        with self._lock:
-            if self.desired[pool] != replicas:
-                log.info("pool %s: %d -> %d replicas", pool, self.desired[pool], replicas)
-            self.desired[pool] = replicas
-            self.failure.pop(pool, None)
+        self._set_desired(pool, replicas, "admin", "PUT /admin/pools")
+        if self.autoscaler is not None:     # the autoscaler's cooldown starts now too
+            self.autoscaler.changed_at[pool] = time.monotonic()
         self._wake.set()
         return self._pool_view(pool)
+
+    def _set_desired(self, pool: str, replicas: int, reason: str, why: str) -> None:
+        with self._lock:
+            before = self.desired[pool]
+            self.desired[pool] = replicas
+            self.failure.pop(pool, None)
+            if before != replicas:
+                self.last_decision[pool] = f"{reason}: {before} -> {replicas} ({why})"
+        if before == replicas:
+            return
+        log.info("pool %s: %d -> %d replicas (%s: %s)", pool, before, replicas, reason, why)
+        if self.metrics is not None:
+            direction = "up" if replicas > before else "down"
+            self.metrics.scale_events.labels(pool, direction, reason).inc()
 
     def view(self) -> dict:
         return {"object": "list", "data": [self._pool_view(p) for p in POOLS]}
@@ -153,6 +204,11 @@ class PoolManager:
                 out["reason"] = self.fixed[pool]
             if pool in self.failure:
                 out["last_error"] = self.failure[pool][1]
+            if self.autoscaler is not None and pool in self.autoscaler.bounds:
+                low, high = self.autoscaler.bounds[pool]
+                out["autoscale"] = {"min_replicas": low, "max_replicas": high}
+            if pool in self.last_decision:
+                out["last_change"] = self.last_decision[pool]
         return out
 
     def close(self) -> None:
@@ -183,6 +239,50 @@ class PoolManager:
                 for m in list(self.members[pool]):
                     if m.state in ("ready", "draining"):
                         self._poll_load(m)
+        self._autoscale()
+        self._export()
+
+    def _export(self) -> None:
+        if self.metrics is None:
+            return
+        with self._lock:
+            counts = {(p, s): 0 for p in POOLS for s in STATES}
+            for pool in POOLS:
+                for m in self.members[pool]:
+                    counts[pool, m.state] += 1
+        for (pool, state), n in counts.items():
+            self.metrics.replicas.labels(pool, state).set(n)
+
+    def _autoscale(self) -> None:
+        """One autoscaler window: what each ready member did since the last (the change of
+        its cumulative figures), the gateway's TTFT/ITL p95 over it, then its decisions."""
+        now = time.monotonic()
+        if self.autoscaler is None or now - self._window_at < self.autoscaler.policy.interval_s:
+            return
+        window = Window(now - self._window_at)
+        self._window_at = now
+        readings = {}
+        with self._lock:
+            for pool in POOLS:
+                members = self.members[pool]
+                window.busy[pool] = any(m.state != "ready" for m in members)
+                window.members[pool] = []
+                for m in (m for m in members if m.state == "ready"):
+                    load, before = dict(m.load), self._window_loads.get(m.name, {})
+                    readings[m.name] = {k: load[k] for k in CUMULATIVE if k in load}
+                    for key, delta in CUMULATIVE.items():
+                        if key in load:
+                            load[delta] = load[key] - before.get(key, 0)
+                    window.members[pool].append(load)
+            desired = dict(self.desired)
+        self._window_loads = readings
+        buckets = [bucket_counts(h) for h in self._latency]
+        if len(buckets) == 2:
+            window.ttft_p95_s = quantile_between(self._window_buckets[0], buckets[0], 0.95)
+            window.itl_p95_s = quantile_between(self._window_buckets[1], buckets[1], 0.95)
+        self._window_buckets = buckets
+        for d in self.autoscaler.decide(now, window, desired):
+            self._set_desired(d.pool, d.replicas, "autoscale", d.why)
 
     def _advance(self, pool: str) -> None:
         """pending -> starting -> ready, or gone when it died starting."""
@@ -288,8 +388,13 @@ class PoolManager:
             return False
         if m.pool == "attention":
             load["in_flight"] = self.routing.in_flight(m.address)
+        told_to_leave = load.pop("draining", False)
         with self._lock:
             m.load = load
+            if told_to_leave and m.state == "ready":
+                m.enter("draining")       # out of routing now; `_resize` places a successor
+                log.warning("pool %s: %s got SIGTERM: draining it, placing a replacement",
+                            m.pool, m.name)
         return True
 
     def _remove(self, m: Member) -> None:

@@ -19,7 +19,8 @@ and prefill replica; the gRPC stream carries only metadata and the logits).
 
 `local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
 `nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
-service fails only the requests it owns.
+service's requests migrate to another (`services.gateway.cluster_backend`). SIGTERM to a
+member's process drains it (`services.common.sigterm`).
 
 Ray stays on loopback when `RAY_ENV` is in the environment of the process that starts it
 (ENVIRONMENT.md); never `ray stop` — `shutdown()` ends only what this driver started.
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.process import tune_process
+from services.common.sigterm import drain_on_sigterm
 from services.deployment.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -42,6 +44,9 @@ POOLS = ("attention", "mlp", "prefill")
 # members a local cluster can hold per pool (each member asks for one unit of its pool's
 # resource; on Kubernetes each pool's worker group declares its own)
 LOCAL_POOL_SLOTS = 64
+# a member told to leave (SIGTERM) exits by itself this long after --drain-timeout, by
+# which time the pool manager has normally migrated what it had and killed it
+DRAIN_MARGIN_S = 5.0
 
 
 def pool_resource(pool: str) -> str:
@@ -69,6 +74,8 @@ class ClusterConfig:
     prefill: EngineOptions = field(default_factory=EngineOptions)   # their engines
     # the internal gRPC channels' token and TLS (`splitstack serve` always sets a token)
     security: GrpcSecurity = INSECURE
+    # a member process that got SIGTERM exits by itself after this, if not stopped before
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self):
         if self.transport not in TRANSPORT_NAMES:
@@ -137,11 +144,12 @@ class PoolReplica:
 
     def __init__(self, model_dir: str, name: str, dtype: str = "float32", threads: int = 1,
                  host: str = "127.0.0.1", use_gpu: bool = False,
-                 security: GrpcSecurity = INSECURE):
+                 security: GrpcSecurity = INSECURE, drain_timeout_s: float = 30.0):
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
         tune_process()
+        drain_on_sigterm(drain_timeout_s + DRAIN_MARGIN_S, name)
         device = "cuda" if use_gpu else "cpu"
         self.name = name
         self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
@@ -159,6 +167,9 @@ class PoolReplica:
 
     def calls(self) -> int:
         return self.pool.calls
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def nccl_listen(self, peer: str):
         """`nccl` transport: a communicator id for cache-side peer `peer`, which this
@@ -182,6 +193,7 @@ class PrefillReplica:
 
         tune_process()
         c = config
+        drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
         torch.set_num_threads(c.threads)
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
                            device="cuda" if c.use_gpu else "cpu")
@@ -208,6 +220,9 @@ class PrefillReplica:
             raise RuntimeError("this prefill replica was not started under --transport nccl")
         return self.nccl.listen(peer)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks of its engine once its prefills are done: the leak check."""
         self.engine.blocks.check()
@@ -228,6 +243,7 @@ class AttentionReplica:
 
         tune_process()
         c = config
+        drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
         device = "cuda" if c.use_gpu else "cpu"
         if c.transport == "local":   # the pool lives in this process: one model, both sides
             import torch
@@ -287,6 +303,9 @@ class AttentionReplica:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def blocks(self) -> tuple[int, int]:
         """(free, total) KV blocks of its engine (each spans every KV shard): the leak
         check."""
@@ -337,7 +356,7 @@ def place_pool(config: ClusterConfig, name: str):
 
     return ray.remote(**actor_options(config, "mlp"))(PoolReplica).remote(
         config.model, name, config.dtype, config.threads, config.host, config.use_gpu,
-        config.security)
+        config.security, config.drain_timeout_s)
 
 
 def place_prefill(config: ClusterConfig, name: str):

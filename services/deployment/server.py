@@ -42,20 +42,25 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
                   num_cpus: int | None = None, api_key: str | None = None,
                   limits: HttpLimits | None = None, rate_limits: RateLimits | None = None,
-                  max_replicas: int = 8, drain_timeout_s: float = 30.0):
+                  max_replicas: int = 8, drain_timeout_s: float = 30.0, autoscaler=None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
     `ridgefill`, `replay_ratio`) travel to the prefill service, which checks them; every
     gRPC channel carries `config.security`. The pools resize at runtime through the
     gateway's `/admin/pools` (`services.deployment.pools`: at most `max_replicas` members
-    each; a leaving member busy past `drain_timeout_s` is killed). Returns (app, cluster)."""
+    each; a leaving member busy past `drain_timeout_s` is killed), and `autoscaler`
+    (`services.deployment.autoscale`) resizes the pools it bounds. Returns (app, cluster)."""
     from services.deployment.placement import RayPlacement
     from services.deployment.pools import PoolManager
     from services.deployment.ray_cluster import deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
     model_dir = Path(config.model)
+    fixed = fixed_pools(config)
+    for pool in (autoscaler.bounds if autoscaler is not None else ()):
+        if pool in fixed:
+            raise ValueError(f"--autoscale: the {pool} pool cannot be resized: {fixed[pool]}")
     init_ray(address, num_cpus=num_cpus)
     cluster = deploy(config)
     metrics = GatewayMetrics()
@@ -69,7 +74,8 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots)
     placement = RayPlacement(cluster)
     app.state.pools = PoolManager(placement, backend, placement.members(), max_replicas,
-                                  drain_timeout_s, fixed_pools(config))
+                                  drain_timeout_s, fixed, registry=metrics.registry,
+                                  autoscaler=autoscaler, latency=(metrics.ttft, metrics.itl))
     cluster.closers.append(app.state.pools.close)
     return app, cluster
 

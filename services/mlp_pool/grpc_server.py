@@ -7,6 +7,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.sampling import SamplingParams
+from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, history_from, processing_from, to_proto
@@ -88,7 +89,7 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     def Stats(self, request, context):
         text = generate_latest(self.registry).decode() if self.registry is not None else ""
         return pb.ServiceMetrics(name=self.pool.name, metrics=text, clients=self.clients,
-                                 calls=self.calls)
+                                 calls=self.calls, draining=sigterm.draining())
 
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from kernels.sampling import SamplingParams
 from models.config import ModelConfig
+from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, to_proto
@@ -236,7 +237,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         return pb.PrefillStats(name=self.name, running=len(self.loop.streams),
                                waiting=len(engine.scheduler.waiting),
                                kv_usage=engine.blocks.usage, prefills=self.prefills,
-                               metrics=text, calls=self.calls + len(self.transfers))
+                               metrics=text, calls=self.calls + len(self.transfers),
+                               draining=sigterm.draining())
 
     def Health(self, request, context):
         if not self.loop.thread.is_alive():

@@ -1,12 +1,16 @@
-"""Issue 26 (1, 2): pools resized while serving. SmolLM2 on Ray (one attention service, one
-MLP pool replica, one prefill replica, grpc transport) under a steady load of concurrent
-greedy streams: mlp 1 -> 3 -> 1, prefill 1 -> 2 -> 1 and attention 1 -> 2 -> 1 through the
-admin API and `splitstack scale`, with no failed request, every output the exact engine's,
-every KV block back, and `GET /admin/pools` showing the members' states."""
+"""Issue 26 (1, 2, 4): pools resized while serving. SmolLM2 on Ray (one attention service,
+one MLP pool replica, one prefill replica, grpc transport) under a steady load of 8
+concurrent greedy streams: mlp 1 -> 3 -> 1, prefill 1 -> 2 -> 1 and attention
+1 -> 2 -> 3 -> 1 through the admin API and `splitstack scale`, and mlp 1 -> 2 -> 1 by the
+autoscaler, with no failed request, every output the exact engine's, every KV block back,
+and `GET /admin/pools` showing the members' states."""
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import signal
 import threading
 import time
 
@@ -17,6 +21,7 @@ import torch
 from models import load_model
 from services.cli import main as cli
 from services.common.tokenizer import load_tokenizer
+from services.deployment.autoscale import Autoscaler, Policy
 from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.server import build_cluster
 from services.engine import GenerationParams, LLMEngine
@@ -26,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 12
 LONG_TOKENS = 96          # outlives a drain started while it runs, on any machine
-STREAMS = 4
+STREAMS = 8
 
 
 def prompt_ids():
@@ -46,7 +51,7 @@ def reference():
 def long_reference():
     tok = load_tokenizer(ZOO)
     seqs = LLMEngine(load_model(ZOO)).generate(
-        prompt_ids()[:2], GenerationParams(max_tokens=LONG_TOKENS, ignore_eos=True))
+        prompt_ids()[:3], GenerationParams(max_tokens=LONG_TOKENS, ignore_eos=True))
     return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
 
 
@@ -209,8 +214,9 @@ def migrations(base: str, reason: str) -> float:
 
 
 def test_attention_pool_resizes_under_load(cluster, reference, long_reference, ray_session):
-    """1 -> 2: the new service gets the current peers, then requests; 2 -> 1 with no time to
-    drain: the leaving service's requests move to the other and finish there unchanged."""
+    """1 -> 2 -> 3: each new service gets the current peers, then requests; 3 -> 1 with no
+    time to drain: the leaving services' requests move to the one left and finish there
+    unchanged."""
     base, handles, app = cluster
     backend = app.state.gateway.backend
     with Load(base) as load:
@@ -218,20 +224,22 @@ def test_attention_pool_resizes_under_load(cluster, reference, long_reference, r
         start = time.monotonic()
         assert cli(["scale", "attention", "2", "--url", base, "--wait"]) == 0
         grown = time.monotonic() - start
-        load.served_more(STREAMS)
+        r = httpx.put(base + "/admin/pools/attention", json={"replicas": 3}, timeout=30)
+        assert r.status_code == 202
+        settle(base, "attention", 3, set())
+        load.served_more(2 * STREAMS)
         members = pool(base, "attention")["members"]
         assert all(m["load"].get("steps", 0) > 0 for m in members), members
         addresses = [m["address"] for m in members]
-        newest = addresses[-1]
 
         # Quiet the short load, then start one long stream per service (least-loaded
-        # routing places the second beside the first) and wait for their first text, so
-        # the leaving service surely runs a request when it is killed.
+        # routing places each beside the others) and wait for their first text, so the
+        # leaving services surely run a request when they are killed.
         load.paused.set()
         wait_for(lambda: sum(backend.in_flight(a) for a in addresses) == 0)
-        long_results: list = [None, None]
-        long_threads, started = [], [threading.Event(), threading.Event()]
-        for j in range(2):
+        long_results: list = [None] * len(addresses)
+        long_threads, started = [], [threading.Event() for _ in addresses]
+        for j in range(len(addresses)):
             def run(j=j):
                 long_results[j] = stream_completion(base, prompt_ids()[j], LONG_TOKENS,
                                                     started[j])
@@ -240,7 +248,7 @@ def test_attention_pool_resizes_under_load(cluster, reference, long_reference, r
             wait_for(lambda j=j: sum(backend.in_flight(a) for a in addresses) == j + 1)
         for event in started:
             assert event.wait(60)
-        assert [backend.in_flight(a) for a in addresses] == [1, 1]
+        assert [backend.in_flight(a) for a in addresses] == [1, 1, 1]
 
         app.state.pools.drain_timeout_s = 0.0
         r = httpx.put(base + "/admin/pools/attention", json={"replicas": 1}, timeout=30)
@@ -250,12 +258,74 @@ def test_attention_pool_resizes_under_load(cluster, reference, long_reference, r
         load.served_more(STREAMS)
         for t in long_threads:
             t.join(timeout=180)
-    print(f"attention 1->2: {grown:.1f}s, 2->1: {shrunk:.1f}s, requests: {len(load.results)}")
+    app.state.pools.drain_timeout_s = 60.0
+    print(f"attention 1->2: {grown:.1f}s, 3->1: {shrunk:.1f}s, requests: {len(load.results)}")
     assert [(k, err) for k, _, err in load.results if err is not None] == []
     assert all(text == reference[k] for k, text, _ in load.results)
     assert long_results == [(text, None) for text in long_reference]
-    assert migrations(base, "drain") >= 1
-    assert len(handles.attention) == 1 and handles.attention_addresses != [newest]
+    assert migrations(base, "drain") >= 2
+    assert len(handles.attention) == 1 and handles.attention_addresses == addresses[:1]
+    free, total = ray_session.get(handles.attention[0].blocks.remote())
+    assert free == total
+
+
+def test_autoscaler_follows_a_burst_then_idle(cluster, reference, caplog):
+    """mlp autoscaled within 1:2 on its replicas' own stage-time histograms: up during a
+    burst of streams, back to 1 once idle, each change logged and counted with why."""
+    base, _, app = cluster
+    manager = app.state.pools
+    caplog.set_level(logging.INFO, logger="services.deployment.pools")
+    # thresholds a CPU replica's share of busy time crosses under this load and not idle
+    manager.autoscaler = Autoscaler({"mlp": (1, 2)}, Policy(interval_s=1.0, cooldown_s=3.0,
+                                                             busy_high=0.02, busy_low=0.01))
+    try:
+        with Load(base) as load:
+            wait_for(lambda: pool(base, "mlp")["replicas"] == 2, timeout=120)
+            settle(base, "mlp", 2, set())
+            load.served_more(STREAMS)
+        wait_for(lambda: [m["state"] for m in pool(base, "mlp")["members"]] == ["ready"],
+                 timeout=120)
+    finally:
+        manager.autoscaler = None
+    assert [(k, err) for k, _, err in load.results if err is not None] == []
+    assert all(text == reference[k] for k, text, _ in load.results)
+    text = httpx.get(base + "/metrics", timeout=30).text
+    for direction in ("up", "down"):
+        assert re.search(rf'^splitstack_scale_events_total\{{direction="{direction}",'
+                         rf'pool="mlp",reason="autoscale"\}} [1-9]', text, re.M), direction
+    assert re.search(r'^splitstack_pool_replicas\{pool="mlp",state="ready"\} 1\.0$', text, re.M)
+    assert pool(base, "mlp")["last_change"].startswith("autoscale: 2 -> 1 (every replica busy")
+    logged = [r.getMessage() for r in caplog.records if "(autoscale:" in r.getMessage()]
+    assert any("1 -> 2 replicas (autoscale: a replica busy" in m for m in logged), logged
+
+
+def test_sigterm_to_pool_and_prefill_replicas_loses_nothing(cluster, reference, ray_session):
+    """Kubernetes stopping a worker pod: SIGTERM to an MLP pool replica's and then a prefill
+    replica's process under load. Each leaves routing, a replacement serves, and it is
+    stopped once idle: no request fails and every output is the exact engine's."""
+    base, handles, _ = cluster
+    swapped = {}
+    with Load(base) as load:
+        load.served_more(STREAMS)
+        for name, actors in (("mlp", handles.pools), ("prefill", handles.prefills)):
+            (old,) = [m["address"] for m in pool(base, name)["members"]]
+            pid = ray_session.get(actors[0].pid.remote())
+            os.kill(pid, signal.SIGTERM)
+            seen: set = set()
+
+            def replaced():
+                members = pool(base, name)["members"]
+                seen.update(m["state"] for m in members)
+                return [m["state"] for m in members] == ["ready"] and \
+                    members[0]["address"] != old
+            wait_for(replaced, timeout=180)
+            swapped[name] = seen
+            load.served_more(STREAMS)
+    assert [(k, err) for k, _, err in load.results if err is not None] == []
+    assert all(text == reference[k] for k, text, _ in load.results)
+    for name, seen in swapped.items():
+        assert "draining" in seen, (name, seen)
+    assert len(handles.pools) == 1 == len(handles.prefills)
     free, total = ray_session.get(handles.attention[0].blocks.remote())
     assert free == total
 

@@ -342,3 +342,18 @@ def test_set_replicas_keeps_the_kept_opens_the_new_and_closes_the_removed():
     assert sorted(t.call("stage") for _ in range(4)) == ["b", "b", "c", "c"]
     with pytest.raises(ValueError):
         t.set_replicas([])
+
+
+def test_a_member_told_to_leave_drains_and_is_replaced(pools):
+    """SIGTERM to a replica's process shows in its stats: out of routing at once, a
+    successor placed (the desired count is unchanged), the member killed once idle."""
+    manager, placement, routing = pools
+    placement.handles["pool-0"].load = {"calls": 1, "clients": 1, "draining": True}
+    until(lambda: states(manager, "mlp").get("pool-0") == "draining")
+    until(lambda: "pool-1" in placement.handles)
+    assert manager.desired["mlp"] == 1 and "pool-0" not in placement.killed
+    placement.handles["pool-1"].state = "ready"
+    until(lambda: routing.pool_peers == ["pool-1:1"])
+    placement.handles["pool-0"].load = {"calls": 0, "clients": 0, "draining": True}
+    until(lambda: placement.killed == ["pool-0"])
+    assert states(manager, "mlp") == {"pool-1": "ready"}
