@@ -15,10 +15,10 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema dashboards chart-sync test test-fast bench run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync test test-fast bench run clean
 
-## setup: virtualenv with the project, its test extras and the offline model zoo
-setup: $(STAMP) proto models tools grafana-schema
+## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
+setup: $(STAMP) proto models tools grafana-schema prometheus
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +77,14 @@ $(GRAFANA_SCHEMA): deploy/grafana/schema/package.json deploy/grafana/schema/pack
 		&& node_modules/.bin/ts-json-schema-generator --path $(GRAFANA_TYPES) --type Dashboard \
 			--no-type-check --out dashboard.schema.json.part \
 		&& rm -rf node_modules && mv dashboard.schema.json.part dashboard.schema.json
+
+## prometheus: Debian's prometheus and promtool when missing (tests/integration/
+## test_prometheus_rules.py and tests/e2e/test_prometheus.py run them; installing the
+## package does not start its service)
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus; }
 
 ## dashboards: regenerate deploy/grafana/*.json from deploy/grafana/generate.py
 dashboards: $(STAMP)
