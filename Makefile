@@ -98,6 +98,15 @@ chart-sync:
 	cp deploy/prometheus/rules/*.yml k8s/splitstack/files/rules/ 2>/dev/null || true
 	cp deploy/grafana/*.json k8s/splitstack/files/dashboards/ 2>/dev/null || true
 
+## image: the CPU and CUDA images (k8s/Containerfile.cpu, .cuda) with buildah or docker
+IMAGE_TAG ?= 0.1.0
+image:
+	@if command -v buildah >/dev/null; then build="buildah bud"; \
+	elif command -v docker >/dev/null; then build="docker build"; \
+	else echo "make image: neither buildah nor docker is installed" >&2; exit 1; fi; \
+	set -e; $$build -f k8s/Containerfile.cpu -t splitstack:$(IMAGE_TAG)-cpu .; \
+	$$build -f k8s/Containerfile.cuda -t splitstack:$(IMAGE_TAG)-cuda .
+
 ## test: the import contracts (.importlinter), then the whole suite (what CI runs)
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
