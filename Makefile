@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync test test-fast bench run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image test test-fast bench run clean
 
 ## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
 setup: $(STAMP) proto models tools grafana-schema prometheus
