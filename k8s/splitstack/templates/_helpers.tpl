@@ -1,0 +1,225 @@
+{{/* Names: the release's prefix, and every pod's labels. */}}
+{{- define "splitstack.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitstack.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The labels a component's selector matches: (dict "ctx" $ "component" "gateway") */}}
+{{- define "splitstack.selector" -}}
+app.kubernetes.io/name: {{ .ctx.Chart.Name }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "splitstack.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{/* The Ray head's Service, which KubeRay names after the RayCluster. */}}
+{{- define "splitstack.rayHead" -}}
+{{ include "splitstack.fullname" . }}-head-svc
+{{- end -}}
+
+{{- define "splitstack.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+redis://{{ include "splitstack.fullname" . }}-redis:{{ .Values.redis.port }}/0
+{{- else -}}
+{{ .Values.redis.url }}
+{{- end -}}
+{{- end -}}
+
+{{- define "splitstack.apiKeySecret" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{ .Values.apiKey.existingSecret }}
+{{- else if .Values.apiKey.value -}}
+{{ include "splitstack.fullname" . }}-api-key
+{{- end -}}
+{{- end -}}
+
+{{/* Pod and container security contexts: non-root, no privilege escalation, no
+capabilities, the runtime's seccomp profile. */}}
+{{- define "splitstack.podSecurity" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.securityContext.runAsUser }}
+runAsGroup: {{ .Values.securityContext.runAsUser }}
+fsGroup: {{ .Values.securityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "splitstack.containerSecurity" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: {{ .Values.securityContext.readOnlyRootFilesystem }}
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Environment every splitstack process gets: Ray's settings, and writable places
+under /tmp (an emptyDir) for a read-only root filesystem. */}}
+{{- define "splitstack.env" -}}
+- name: HOME
+  value: /tmp
+- name: TMPDIR
+  value: /tmp
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: RAY_AUTH_MODE
+  value: disabled
+- name: TOKENIZERS_PARALLELISM
+  value: "false"
+{{- end -}}
+
+{{/* Volumes of a pod that runs splitstack (model, /tmp, /dev/shm); "withModel": mount the
+model source. */}}
+{{- define "splitstack.volumes" -}}
+- name: tmp
+  emptyDir: {}
+- name: shm
+  emptyDir:
+    medium: Memory
+{{- if .withModel }}
+{{- $m := .ctx.Values.model }}
+{{- if eq $m.source "import-gguf" }}
+- name: model
+  emptyDir: {}
+{{- else if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $m.pvcClaimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ $m.hostPath }}
+    type: Directory
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "splitstack.mounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
+{{- if and .withModel (ne .ctx.Values.model.source "image") }}
+- name: model
+  mountPath: {{ .ctx.Values.model.mountPath }}
+  readOnly: {{ ne .ctx.Values.model.source "import-gguf" }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that imports the default model (source import-gguf). */}}
+{{- define "splitstack.modelInit" -}}
+{{- if eq .Values.model.source "import-gguf" -}}
+initContainers:
+  - name: import-model
+    image: {{ include "splitstack.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["splitstack", "import-gguf", "--out", {{ .Values.model.path | quote }}]
+    env:
+      {{- include "splitstack.env" . | nindent 6 }}
+    securityContext:
+      {{- include "splitstack.containerSecurity" . | nindent 6 }}
+    volumeMounts:
+      {{- include "splitstack.mounts" (dict "ctx" . "withModel" true) | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* Checks across values that a JSON schema cannot state. */}}
+{{- define "splitstack.checks" -}}
+{{- range $name, $pool := .Values.pools }}
+{{- if or (lt (int $pool.replicas) (int $pool.minReplicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) }}
+{{- fail (printf "pools.%s.replicas (%d) must lie within minReplicas (%d) and maxReplicas (%d)" $name (int $pool.replicas) (int $pool.minReplicas) (int $pool.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- if lt (int .Values.pools.attention.replicas) 1 }}
+{{- fail "pools.attention.replicas must be at least 1: the attention services own the requests" }}
+{{- end }}
+{{- if and (ne .Values.serve.transport "local") (lt (int .Values.pools.mlp.replicas) 1) }}
+{{- fail "pools.mlp.replicas must be at least 1 (0 only under serve.transport local, where the pool runs inside each attention service)" }}
+{{- end }}
+{{- if and .Values.serve.prefixCache (lt (int .Values.pools.prefill.replicas) 1) }}
+{{- fail "serve.prefixCache needs pools.prefill.replicas of at least 1: the prefix cache lives in the prefill replicas" }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- if eq .Values.serve.transport "nccl" }}
+{{- fail "autoscaling.enabled: no pool resizes under serve.transport nccl" }}
+{{- end }}
+{{- range $name, $pool := .Values.pools }}
+{{- if and (gt (int $pool.maxReplicas) 0) (lt (int $pool.minReplicas) 1) }}
+{{- fail (printf "autoscaling.enabled: pools.%s.minReplicas must be at least 1 (an autoscaled pool keeps a member)" $name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The pools the gateway may resize while serving (what `fixed_pools` allows), with their
+counts: "attention=1 mlp=3". */}}
+{{- define "splitstack.resizable" -}}
+{{- $out := list }}
+{{- if ne .Values.serve.transport "nccl" }}
+{{- $out = append $out (printf "attention=%d" (int .Values.pools.attention.replicas)) }}
+{{- if ne .Values.serve.transport "local" }}
+{{- $out = append $out (printf "mlp=%d" (int .Values.pools.mlp.replicas)) }}
+{{- end }}
+{{- if gt (int .Values.pools.prefill.replicas) 0 }}
+{{- $out = append $out (printf "prefill=%d" (int .Values.pools.prefill.replicas)) }}
+{{- end }}
+{{- end }}
+{{- join " " $out }}
+{{- end -}}
+
+{{/* The gateway container's shell line: join the Ray cluster as a node with no CPUs and no
+pool resource, then run `splitstack serve` as the container's main process (exec: it gets
+the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the environment. */}}
+{{- define "splitstack.gatewayCommand" -}}
+{{- $v := .Values }}
+{{- $head := printf "%s:6379" (include "splitstack.rayHead" .) }}
+{{- $redis := include "splitstack.redisUrl" . }}
+{{- $maxReplicas := 1 }}
+{{- range $pool := $v.pools }}{{- $maxReplicas = max $maxReplicas (int $pool.maxReplicas) }}{{- end }}
+{{- $ray := list "ray" "start" (printf "--address=%s" $head) "--num-cpus=0"
+      (printf "--object-store-memory=%d" (int $v.ray.objectStoreMemory)) "--disable-usage-stats" }}
+{{- $a := list "exec" "splitstack" "serve" "--model" (squote $v.model.path) "--host" "0.0.0.0"
+      "--port" (toString $v.gateway.port) "--address" $head
+      "--attention-shards" "\"$SPLITSTACK_ATTENTION_REPLICAS\""
+      "--mlp-replicas" "\"$SPLITSTACK_MLP_REPLICAS\""
+      "--prefill-replicas" "\"$SPLITSTACK_PREFILL_REPLICAS\""
+      "--transport" $v.serve.transport }}
+{{- if $v.serve.gpu }}{{ $a = append $a "--gpu" }}{{ end }}
+{{- if $v.serve.wiring }}{{ $a = concat $a (list "--wiring" $v.serve.wiring) }}{{ end }}
+{{- $a = concat $a (list "--kv-splits" (toString $v.serve.kvSplits)
+      "--kv-cache-gib" (toString $v.serve.kvCacheGiB) "--max-num-seqs" (toString $v.serve.maxNumSeqs)
+      "--dtype" $v.serve.dtype "--threads" (toString $v.serve.threads)
+      "--max-replicas" (toString $maxReplicas) "--drain-timeout" (toString $v.serve.drainTimeoutSeconds)) }}
+{{- if $v.model.servedName }}{{ $a = concat $a (list "--served-model-name" (squote $v.model.servedName)) }}{{ end }}
+{{- if $v.serve.prefixCache }}{{ $a = concat $a (list "--prefix-cache" "--redis-url" (squote $redis)) }}{{ end }}
+{{- if $redis }}{{ $a = concat $a (list "--rate-limit-redis" (squote $redis)) }}{{ end }}
+{{- if $v.serve.rateLimitRpm }}{{ $a = concat $a (list "--rate-limit-rpm" (toString (int $v.serve.rateLimitRpm))) }}{{ end }}
+{{- if $v.serve.rateLimitTpm }}{{ $a = concat $a (list "--rate-limit-tpm" (toString (int $v.serve.rateLimitTpm))) }}{{ end }}
+{{- if $v.grpcTokenSecret }}{{ $a = concat $a (list "--grpc-token-file" "/etc/splitstack/grpc/token") }}{{ end }}
+{{- if $v.autoscaling.enabled }}
+{{- $bounds := list }}
+{{- range $name := list "attention" "mlp" "prefill" }}
+{{- $p := index $v.pools $name }}
+{{- if and (gt (int $p.replicas) 0) (or (ne $name "mlp") (ne $v.serve.transport "local")) }}
+{{- $bounds = append $bounds (printf "%s=%d:%d" $name (int $p.minReplicas) (int $p.maxReplicas)) }}
+{{- end }}
+{{- end }}
+{{- $a = concat $a (list "--autoscale" (join "," $bounds)) }}
+{{- end }}
+{{- range $v.serve.extraArgs }}{{ $a = append $a (squote .) }}{{ end }}
+{{- printf "%s && %s" (join " " $ray) (join " " $a) }}
+{{- end -}}

@@ -1,0 +1,293 @@
+"""The Helm chart (k8s/splitstack/) checked without a cluster: `helm lint --strict` and
+`helm template` on each value set, the values schema refusing bad value files with the error
+each must give, built-in kinds through `kubernetes-validate --strict`, custom resources
+strictly against their CRDs, the rendered command lines against splitstack's and Ray's own
+parsers, and the chart's README and synced files against their sources."""
+from __future__ import annotations
+
+import copy
+import filecmp
+import re
+import shlex
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+import yaml
+
+from services.deployment.ray_cluster import POOLS, pool_resource
+from tests.deploy.chart import (CHART, CRD_FILES, RELEASE, ROOT, VALUE_SETS, crd_schema,
+                                documented_values, find, helm, leaf_paths, readme_table,
+                                render, value_args)
+
+BAD_VALUES = sorted((CHART / "tests" / "bad-values").glob("*.yaml"))
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
+def expected_error(path) -> str:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# error: "), f"{path.name} must start with '# error: ...'"
+    return first.removeprefix("# error: ").strip()
+
+
+def pod_specs(docs):
+    """(name, pod spec) of every pod the release runs: workloads and the RayCluster's groups."""
+    for doc in docs:
+        if doc["kind"] in WORKLOADS:
+            yield doc["metadata"]["name"], doc["spec"]["template"]
+        elif doc["kind"] == "RayCluster":
+            yield "ray-head", doc["spec"]["headGroupSpec"]["template"]
+            for group in doc["spec"]["workerGroupSpecs"]:
+                yield f"ray-{group['groupName']}", group["template"]
+
+
+# ---- helm lint and the schema ---------------------------------------------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_helm_lint_strict(value_set):
+    out = helm("lint", "--strict", str(CHART), *value_args(value_set))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in out.stdout
+
+
+def test_at_least_six_bad_value_files_are_refused_by_the_schema():
+    schema_errors = [p for p in BAD_VALUES if expected_error(p).startswith("at '/")]
+    assert len(schema_errors) >= 6, [p.name for p in schema_errors]
+
+
+@pytest.mark.parametrize("bad", BAD_VALUES, ids=lambda p: p.stem)
+def test_bad_values_are_refused_with_their_error(bad):
+    for command in (["template", RELEASE], ["lint", "--strict"]):
+        out = helm(*command, str(CHART), "-f", str(bad))
+        assert out.returncode != 0, f"helm {command[0]} accepted {bad.name}"
+        assert expected_error(bad) in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+# ---- rendered manifests against Kubernetes' schemas ------------------------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_builtin_kinds_pass_kubernetes_validate_strict(value_set, tmp_path):
+    docs = [d for d in render(value_set) if d["kind"] not in CRD_FILES]
+    manifest = tmp_path / "builtin.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    versions = ["1.30.0", "1.35.0"]
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict",
+                          *[a for v in versions for a in ("-k", v)], str(manifest)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "WARN" not in out.stdout and "ERROR" not in out.stdout, out.stdout
+    assert out.stdout.count(" passed for resource ") == len(docs) * len(versions), out.stdout
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_custom_resources_validate_strictly_against_their_crds(value_set):
+    docs = render(value_set)
+    kinds = {d["kind"] for d in docs if d["kind"] in CRD_FILES}
+    assert {"RayCluster", "ServiceMonitor"} <= kinds
+    if list((CHART / "files" / "rules").glob("*.yml")):
+        assert "PrometheusRule" in kinds
+    for doc in docs:
+        if doc["kind"] in CRD_FILES:
+            jsonschema.validate(doc, crd_schema(doc["kind"]))
+
+
+@pytest.mark.parametrize("mistake", [
+    ("maxReplicaz", lambda rc: rc["spec"]["workerGroupSpecs"][1].update(maxReplicaz=4)),
+    ("replicas", lambda rc: rc["spec"]["workerGroupSpecs"][1].update(replicas="two")),
+    ("readinesProbe", lambda rc: rc["spec"]["headGroupSpec"]["template"]["spec"]
+     ["containers"][0].update(readinesProbe={})),
+    ("upscalingMode", lambda rc: rc["spec"].update(autoscalerOptions={"upscalingMode": "Fast"})),
+], ids=lambda m: m[0])
+def test_the_strict_crd_check_catches_a_bad_rendered_field(mistake):
+    """An unknown or mistyped field anywhere in the RayCluster, pod templates included, is an
+    error, as a real API server with field validation reports it."""
+    field, spoil = mistake
+    raycluster = copy.deepcopy(find(render("values-cpu.yaml"), "RayCluster"))
+    jsonschema.validate(raycluster, crd_schema("RayCluster"))
+    spoil(raycluster)
+    with pytest.raises(jsonschema.ValidationError) as err:
+        jsonschema.validate(raycluster, crd_schema("RayCluster"))
+    assert field in str(err.value) or field in list(err.value.absolute_path)
+
+
+def test_the_strict_crd_check_catches_a_bad_servicemonitor_field():
+    monitor = copy.deepcopy(find(render("values.yaml"), "ServiceMonitor"))
+    monitor["spec"]["endpoints"][0]["scrapeIntervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError, match="scrapeIntervall"):
+        jsonschema.validate(monitor, crd_schema("ServiceMonitor"))
+
+
+# ---- the chart against the programs it runs --------------------------------------------------
+
+def gateway_command(docs) -> tuple[list[str], list[str]]:
+    """The gateway container's `ray start` and `splitstack serve` argv, with the pool sizes
+    the ConfigMap gives in their environment."""
+    pools = find(docs, "ConfigMap", "-pools")["data"]
+    env = {f"SPLITSTACK_{p.upper()}_REPLICAS": pools[p] for p in POOLS}
+    container = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c"]
+    line = re.sub(r'"\$(\w+)"', lambda m: env[m.group(1)], container["args"][0])
+    ray, serve = line.split(" && exec ")
+    return shlex.split(ray), shlex.split(serve)
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_rendered_commands_parse_as_splitstack_and_ray_flags(value_set, monkeypatch):
+    from services.cli import build_parser
+    from services.cli.serve_args import ServeArgs
+
+    docs = render(value_set)
+    ray, serve = gateway_command(docs)
+    monkeypatch.delenv("SPLITSTACK_API_KEY", raising=False)
+    args = build_parser().parse_args(serve[1:])
+    assert args.command == "serve"
+    settings = ServeArgs.from_cli(args)      # every value and combination serve refuses
+    assert settings.uses_cluster and settings.host == "0.0.0.0"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    overlay = {} if value_set == "values.yaml" else yaml.safe_load((CHART / value_set).read_text())
+    pools = {**values["pools"], **overlay.get("pools", {})}
+    config = settings.cluster_config()
+    assert config.attention_shards == pools["attention"]["replicas"]
+    assert config.prefill_replicas == pools["prefill"]["replicas"]
+    assert config.transport == overlay.get("serve", {}).get("transport", "grpc")
+    ray_help = subprocess.run([str(ROOT / ".venv" / "bin" / "ray"), "start", "--help"],
+                              capture_output=True, text=True, timeout=120).stdout
+    assert ray[:2] == ["ray", "start"]
+    for flag in ray[2:]:
+        assert flag.split("=")[0] in ray_help, flag
+    for name, spec in pod_specs(docs):
+        for container in spec["spec"].get("initContainers", []):
+            if container["name"] == "import-model":
+                parsed = build_parser().parse_args(container["command"][1:])
+                assert parsed.command == "import-gguf" and parsed.out == settings.model, name
+
+
+def test_the_scale_hook_runs_splitstack_scale_for_each_resizable_pool():
+    from services.cli import build_parser
+
+    docs = render("values-cpu.yaml", "pools.mlp.replicas=3")
+    job = find(docs, "Job", "-scale")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-upgrade"
+    line = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    specs = re.search(r"for p in ([^;]+);", line).group(1).split()
+    assert specs == ["attention=1", "mlp=3"]       # no prefill replicas: not resizable
+    argv = shlex.split(re.search(r"do (splitstack scale .*?); done", line).group(1)
+                       .replace('"${p%=*}"', "mlp").replace('"${p#*=}"', "3"))
+    args = build_parser().parse_args(argv[1:])
+    service = find(docs, "Service", "-gateway")
+    assert (args.pool, args.replicas, args.wait) == ("mlp", 3, True)
+    assert args.url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert find(docs, "ConfigMap", "-pools")["data"]["mlp"] == "3"
+    mlp = find(docs, "RayCluster")["spec"]["workerGroupSpecs"][1]
+    assert (mlp["groupName"], mlp["replicas"]) == ("mlp", 3)
+    # the gateway's pod template does not change: a scale restarts no gateway
+    before = find(render("values-cpu.yaml"), "Deployment", "-gateway")["spec"]["template"]
+    assert find(docs, "Deployment", "-gateway")["spec"]["template"] == before
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_each_worker_group_offers_its_pools_ray_resource(value_set):
+    raycluster = find(render(value_set), "RayCluster")
+    groups = {g["groupName"]: g for g in raycluster["spec"]["workerGroupSpecs"]}
+    assert sorted(groups) == sorted(POOLS)
+    for pool, group in groups.items():
+        resources = yaml.safe_load(group["rayStartParams"]["resources"])   # '"{...}"' quoted
+        assert yaml.safe_load(resources) == {pool_resource(pool): 1}
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    head = raycluster["spec"]["headGroupSpec"]["rayStartParams"]
+    assert head["num-cpus"] == "0" and "resources" not in head    # no member on the head
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_probes_ports_and_drain_match_the_gateway(value_set):
+    docs = render(value_set)
+    _, serve = gateway_command(docs)
+    pod = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    port = int(serve[serve.index("--port") + 1])
+    assert container["ports"] == [{"name": "http", "containerPort": port}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    drain = float(serve[serve.index("--drain-timeout") + 1])
+    sleep = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > sleep + drain
+    service = find(docs, "Service", "-gateway")
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_pod_is_non_root_without_privilege_escalation(value_set):
+    for name, template in pod_specs(render(value_set)):
+        spec = template["spec"]
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        for container in spec["containers"] + spec.get("initContainers", []):
+            sc = container["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, container["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (name, container["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+            mounts = {m["mountPath"] for m in container.get("volumeMounts", [])}
+            assert container["name"] == "redis" or "/tmp" in mounts, (name, container["name"])
+
+
+def test_network_policies_open_only_the_gateway_port():
+    docs = render("values.yaml")
+    internal = find(docs, "NetworkPolicy", "-internal")["spec"]
+    outside = find(docs, "NetworkPolicy", "-gateway")["spec"]
+    selector = internal["podSelector"]["matchLabels"]
+    assert internal["ingress"] == [{"from": [{"podSelector": {"matchLabels": selector}}]}]
+    for name, template in pod_specs(docs):      # every pod, Ray's included, is covered
+        labels = template["metadata"]["labels"]
+        assert selector.items() <= labels.items(), name
+    assert outside["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
+    gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["metadata"]["labels"]
+    assert outside["podSelector"]["matchLabels"].items() <= gateway.items()
+
+
+def test_the_api_key_comes_from_a_secret():
+    docs = render("values.yaml", "apiKey.value=sk-test")
+    secret = find(docs, "Secret", "-api-key")
+    env = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]["env"]
+    (key,) = [e for e in env if e["name"] == "SPLITSTACK_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert "sk-test" not in yaml.safe_dump(find(docs, "Deployment", "-gateway"))
+
+
+@pytest.mark.parametrize("source,volume", [("pvc", "persistentVolumeClaim"),
+                                           ("hostPath", "hostPath"), ("image", None)])
+def test_model_sources(source, volume):
+    sets = {"pvc": ["model.pvcClaimName=models"], "hostPath": ["model.hostPath=/srv/models"],
+            "image": []}[source]
+    docs = render("values.yaml", f"model.source={source}", *sets)
+    for name, template in pod_specs(docs):
+        if not name.endswith(("-gateway", "ray-attention", "ray-mlp", "ray-prefill")):
+            continue
+        spec = template["spec"]
+        assert "initContainers" not in spec, name
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert (volume in volumes["model"]) if volume else ("model" not in volumes), name
+
+
+# ---- the chart's files against their sources -------------------------------------------------
+
+@pytest.mark.parametrize("copies,sources,pattern", [
+    ("files/rules", "deploy/prometheus/rules", "*.yml"),
+    ("files/dashboards", "deploy/grafana", "*.json"),
+])
+def test_chart_copies_match_their_sources(copies, sources, pattern):
+    """Helm reads only the chart's directory: `make chart-sync` copies the rules and the
+    dashboards in, and a copy that differs from its source is stale."""
+    copied = sorted(p.name for p in (CHART / copies).glob(pattern))
+    source = sorted(p.name for p in (ROOT / sources).glob(pattern))
+    assert copied == source, "run `make chart-sync`"
+    for name in copied:
+        assert filecmp.cmp(CHART / copies / name, ROOT / sources / name, shallow=False), name
+
+
+def test_readme_values_table_matches_values_yaml():
+    documented = documented_values()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    undocumented = [p for p in leaf_paths(values)
+                    if not any(p == d or p.startswith(d + ".") for d in documented)]
+    assert not undocumented, f"keys without a '# --' comment in values.yaml: {undocumented}"
+    assert readme_table() == documented
