@@ -291,3 +291,22 @@ def test_readme_values_table_matches_values_yaml():
                     if not any(p == d or p.startswith(d + ".") for d in documented)]
     assert not undocumented, f"keys without a '# --' comment in values.yaml: {undocumented}"
     assert readme_table() == documented
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_worker_pods_drain_their_members_before_they_stop(value_set):
+    """The preStop hook signals every member class Ray may run on a worker pod (Ray names an
+    actor's process `ray::Class`), and the pod's grace period outlasts the drain."""
+    from services.deployment.ray_cluster import AttentionReplica, PoolReplica, PrefillReplica
+
+    docs = render(value_set)
+    _, serve = gateway_command(docs)
+    drain = float(serve[serve.index("--drain-timeout") + 1])
+    for group in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        spec = group["template"]["spec"]
+        line = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][2]
+        pattern = re.search(r"pkill -TERM -f '([^']+)'", line).group(1)
+        for member in (AttentionReplica, PoolReplica, PrefillReplica):
+            assert re.match(pattern, f"ray::{member.__name__}"), member
+        assert re.search(rf"while pgrep -f '{re.escape(pattern)}'", line)
+        assert spec["terminationGracePeriodSeconds"] > drain

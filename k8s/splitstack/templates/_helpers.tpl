@@ -153,6 +153,9 @@ initContainers:
 {{- if and .Values.serve.prefixCache (lt (int .Values.pools.prefill.replicas) 1) }}
 {{- fail "serve.prefixCache needs pools.prefill.replicas of at least 1: the prefix cache lives in the prefill replicas" }}
 {{- end }}
+{{- if le (float64 .Values.ray.terminationGracePeriodSeconds) (float64 .Values.serve.drainTimeoutSeconds) }}
+{{- fail "ray.terminationGracePeriodSeconds must be more than serve.drainTimeoutSeconds: a worker pod's members drain before it stops" }}
+{{- end }}
 {{- if .Values.autoscaling.enabled }}
 {{- if eq .Values.serve.transport "nccl" }}
 {{- fail "autoscaling.enabled: no pool resizes under serve.transport nccl" }}
@@ -222,4 +225,11 @@ the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the en
 {{- end }}
 {{- range $v.serve.extraArgs }}{{ $a = append $a (squote .) }}{{ end }}
 {{- printf "%s && %s" (join " " $ray) (join " " $a) }}
+{{- end -}}
+
+{{/* A worker pod's preStop: SIGTERM to its pool members' processes (Ray names an actor's
+process after its class), then wait until they are gone. */}}
+{{- define "splitstack.drainMembers" -}}
+{{- $members := "^ray::(AttentionReplica|PoolReplica|PrefillReplica)" -}}
+pkill -TERM -f '{{ $members }}'; while pgrep -f '{{ $members }}' >/dev/null; do sleep 1; done
 {{- end -}}
