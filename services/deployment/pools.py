@@ -335,9 +335,19 @@ class PoolManager:
                     self._remove(m)
 
     def _ready(self) -> dict[str, list[str]]:
+        """The addresses in routing by pool: the ready members, or, in a pool none of
+        whose members is ready (its only one was told to leave, the successor is still
+        starting), the leaving ones, until the successor is ready."""
         with self._lock:
-            return {p: [m.address for m in self.members[p] if m.state == "ready"]
-                    for p in POOLS}
+            out = {}
+            for p in POOLS:
+                ready = [m.address for m in self.members[p] if m.state == "ready"]
+                out[p] = ready or [m.address for m in self.members[p] if m.state == "draining"]
+            return out
+
+    def _has_ready(self, pool: str) -> bool:
+        with self._lock:
+            return any(m.state == "ready" for m in self.members[pool])
 
     def _routed(self) -> tuple:
         ready = self._ready()
@@ -365,6 +375,8 @@ class PoolManager:
             waited = time.monotonic() - m.since
             if waited < min(self.LEAVE_GRACE_S, self.drain_timeout_s):
                 continue
+            if not self._has_ready(pool) and waited < self.drain_timeout_s:
+                continue                    # it still serves until its successor is ready
             idle = self._idle(m)
             if idle and waited >= self.LEAVE_GRACE_S:
                 self._remove(m)

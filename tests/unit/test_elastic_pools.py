@@ -352,6 +352,12 @@ def test_a_member_told_to_leave_drains_and_is_replaced(pools):
     until(lambda: states(manager, "mlp").get("pool-0") == "draining")
     until(lambda: "pool-1" in placement.handles)
     assert manager.desired["mlp"] == 1 and "pool-0" not in placement.killed
+    # idle, but the only member: it keeps serving until its successor is ready
+    placement.handles["pool-0"].load = {"calls": 0, "clients": 0, "draining": True}
+    time.sleep(2 * manager.LEAVE_GRACE_S)
+    assert placement.killed == [] and placement.peers == []       # routing unchanged
+    assert manager._ready()["mlp"] == ["pool-0:1"]
+    placement.handles["pool-0"].load = {"calls": 1, "clients": 1, "draining": True}
     placement.handles["pool-1"].state = "ready"
     until(lambda: routing.pool_peers == ["pool-1:1"])
     placement.handles["pool-0"].load = {"calls": 0, "clients": 0, "draining": True}
