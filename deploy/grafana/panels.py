@@ -51,11 +51,11 @@ def mean(histogram: str, labels: tuple[str, ...] = ()) -> str:
     return f"{rate(histogram + '_sum', labels)} / {rate(histogram + '_count', labels)}"
 
 
-def zero_if_none(expr: str, present: str) -> str:
-    """`expr`, or 0 for each series of `present` while `expr` has no series: a counter
-    with labels has none until its first event (no error yet), and a panel should say 0
-    rather than "No data" while the deployment (`present`) is up."""
-    return f"({expr}) or (0 * {present})"
+def zero_if_none(expr: str, present: str, label: str) -> str:
+    """`expr`, or 0 for each series of `present` (with `label`="none") while `expr` has no
+    series: a counter with labels has none until its first event (no refusal yet), and a
+    panel should say 0 rather than "No data" while the deployment (`present`) is up."""
+    return f'({expr}) or label_replace(0 * {present}, "{label}", "none", "", "")'
 
 
 def quantile_targets(histogram: str, labels: tuple[str, ...] = (),
@@ -125,10 +125,14 @@ def variables() -> list:
 
 def dashboard(uid: str, title: str, description: str, tags: list[str],
               rows: list[tuple[str, list[Panel]]]) -> dict:
-    """The dashboard as a JSON-ready dict; panel ids numbered in layout order."""
+    """The dashboard as a JSON-ready dict; panel ids numbered in layout order, and a menu
+    of the other splitstack dashboards that keeps the time range and variables."""
     d = (db.Dashboard(title).uid(uid).description(description).tags(["splitstack", *tags])
          .editable().refresh("10s").time("now-30m", "now").timezone("browser")
-         .tooltip(dm.DashboardCursorSync.CROSSHAIR).variables(variables()))
+         .tooltip(dm.DashboardCursorSync.CROSSHAIR).variables(variables())
+         .link(db.DashboardLink("splitstack").type(dm.DashboardLinkType.DASHBOARDS)
+               .tags(["splitstack"]).icon("external link").as_dropdown(True)
+               .include_vars(True).keep_time(True)))
     for row_title, panels in rows:
         d = d.with_row(db.Row(row_title))
         for panel in panels:
