@@ -1,7 +1,8 @@
 """The `splitstack` command line: `serve`, `scale`, `generate` and `import-gguf` are defined
 here; `eval`, `calibrate`, `derive` and `convert-qfirst` are research tools
-(`tools.commands`), whose module is imported, and whose flags are parsed, only when that
-command runs."""
+(`tools.commands`), and `loadtest` is the load generator (`loadtest/`, an HTTP client of
+the server): their module is imported, and their flags are parsed, only when that command
+runs."""
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,9 @@ TOOLS = {
     "convert-qfirst": ("tools.commands.convert_qfirst",
                        "rewire the query read point and fine-tune Wq (seed 003, §6); reports "
                        "d in bits/byte"),
+    "loadtest": ("loadtest.cli",
+                 "a bounded load against a server, with a report: vllm bench serve's "
+                 "figures and plots (loadtest/README.md)"),
 }
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from loadtest.cli import main
+
+sys.exit(main())

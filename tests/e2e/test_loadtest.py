@@ -1,0 +1,103 @@
+"""`splitstack loadtest` and the Locust file against a live embedded SmolLM2 server on
+loopback (the e2e `server` fixture): bounded runs write result.json with `vllm bench
+serve`'s fields and sane values, report.md and valid PNG plots; Poisson arrivals; the
+time bound cancels what is in flight and the server frees it; a short headless Locust run
+records streamed requests and their TTFT."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.cli import run
+from tests.helpers.gateway import wait_idle
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG = b"\x89PNG\r\n\x1a\n"
+VLLM_FIELDS = ("duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+               "request_throughput", "output_throughput", "total_token_throughput",
+               "max_concurrency", "request_rate", "input_lens", "output_lens", "ttfts", "itls",
+               "errors", *(f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99")
+                           for m in ("ttft", "tpot", "itl", "e2el")))
+
+
+def check_outputs(out: Path, n: int) -> dict:
+    result = json.loads((out / "result.json").read_text())
+    for p in result["points"]:
+        assert not [f for f in VLLM_FIELDS if f not in p]
+        assert (p["completed"], p["failed"], p["cancelled"]) == (n, 0, 0), p["errors"]
+        assert all(0 < t <= e for t, e in zip(p["ttfts"], p["e2els"]))
+        assert p["mean_ttft_ms"] <= p["mean_e2el_ms"] and p["total_output_tokens"] > 0
+        assert all(i > 0 for i in p["input_lens"]) and sum(p["output_lens"]) == \
+            p["total_output_tokens"]
+        assert p["request_throughput"] > 0 and p["output_throughput"] > 0
+        assert p["end_time"] > p["start_time"]
+    md = (out / "report.md").read_text()
+    for name in ("ttft_cdf.png", "itl_cdf.png", "throughput.png", "latency.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 15_000, name
+        assert f"]({name})" in md
+    return result
+
+
+def test_concurrency_sweep_writes_result_report_and_plots(server, tmp_path):
+    base, _ = server
+    out = tmp_path / "sweep"
+    code = run(["--url", base, "--scenario", "chat", "--concurrency", "1,4",
+                "--num-requests", "6", "--max-tokens", "6", "--max-seconds", "120",
+                "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = check_outputs(out, 6)
+    assert [p["max_concurrency"] for p in result["points"]] == [1, 4]
+    assert result["points"][1]["max_concurrent_requests"] > 1
+    assert result["model_id"] == "smollm2-135m" and result["scenario"] == "chat"
+    assert all(n <= 6 for n in result["points"][0]["output_lens"])
+
+
+def test_poisson_arrivals_with_shared_prefixes(server, tmp_path):
+    base, _ = server
+    out = tmp_path / "poisson"
+    code = run(["--url", base, "--scenario", "shared-prefix", "--rate", "4",
+                "--num-requests", "5", "--max-tokens", "4", "--prefix-prompt-tokens", "96",
+                "--max-seconds", "120", "--out", str(out), "--no-progress"])
+    assert code == 0
+    result = check_outputs(out, 5)
+    point = result["points"][0]
+    assert point["request_rate"] == 4.0 and point["max_concurrency"] is None
+    assert all(80 <= n <= 130 for n in point["input_lens"]), point["input_lens"]
+    assert "| 4 req/s |" in (out / "report.md").read_text()
+
+
+def test_time_bound_cancels_requests_in_flight(server, tmp_path):
+    base, gateway = server
+    out = tmp_path / "bounded"
+    code = run(["--url", base, "--scenario", "decode-heavy", "--concurrency", "2",
+                "--num-requests", "6", "--max-tokens", "4000", "--max-seconds", "2",
+                "--out", str(out), "--no-progress"])
+    point = json.loads((out / "result.json").read_text())["points"][0]
+    assert code == 1 and point["completed"] == 0 and point["failed"] == 0
+    assert point["cancelled"] == 2          # the two in flight; the other four never sent
+    wait_idle(gateway)                      # the server saw the hang-ups and aborted them
+
+
+def test_locust_headless_run(server, tmp_path):
+    base, _ = server
+    locust = Path(sys.executable).parent / "locust"
+    proc = subprocess.run(
+        [str(locust), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
+         "-u", "3", "-r", "3", "-t", "8s", "--host", base, "--scenario", "chat",
+         "--max-tokens", "4", "--csv", str(tmp_path / "run"), "--only-summary"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(tmp_path / "run_stats.csv") as f:
+        rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
+    post, ttft = rows[("POST", "chat")], rows[("TTFT", "chat")]
+    assert int(post["Request Count"]) > 0 and int(post["Failure Count"]) == 0
+    assert int(ttft["Request Count"]) == int(post["Request Count"])
+    assert 0 < float(ttft["Median Response Time"]) <= float(post["Median Response Time"])
