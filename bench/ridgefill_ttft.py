@@ -17,7 +17,7 @@ time, only their shapes). Also prints the map memory.
     python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
                                    [--tail 512] [--reps 5] [--context-rows 0]
                                    [--selector none --budget 0.1] [--fill-dtypes model,bfloat16]
-                                   [--device cuda --dtype bfloat16]
+                                   [--device cuda --dtype bfloat16 --gdn-kernel triton]
 
 `--context-rows c` calibrates maps that also read the c previous rows' split states (the
 map's input grows from d to d·(1+c) features; c = 0 is the paper's map). `--selector probe
@@ -27,6 +27,7 @@ probe); the bound then counts the budget's rows as exact.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -121,7 +122,7 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
     return rows
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--families", default="qwen3,qwen3_5")
     ap.add_argument("--lengths", default="2048,4096,8192,16384")
@@ -143,7 +144,15 @@ def main() -> int:
     ap.add_argument("--keep-denormals", action="store_true",
                     help="compute with subnormal floats (the serving processes flush them to "
                          "zero, services/common/process.py)")
-    args = ap.parse_args()
+    ap.add_argument("--gdn-kernel", choices=("torch", "triton"), default=None,
+                    help="chunked delta-rule kernel on CUDA (sets SPLITSTACK_GDN_KERNEL)")
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    if args.gdn_kernel:
+        os.environ["SPLITSTACK_GDN_KERNEL"] = args.gdn_kernel
     flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)
     kept = not args.malloc_default and keep_freed_memory()
@@ -161,7 +170,8 @@ def main() -> int:
         print(f"\nfill arm: selector {args.selector}, budget {args.budget}")
     if args.device != "cpu":
         print(f"\ndevice {torch.cuda.get_device_name() if args.device == 'cuda' else args.device}"
-              f", {args.dtype}")
+              f", {args.dtype}, delta-rule kernel "
+              f"{os.environ.get('SPLITSTACK_GDN_KERNEL', 'torch')}")
     print("\n| config | N | S/L | T | context rows | fill dtype | exact (s) | RidgeFill (s) | "
           "speedup | bound 1/r | share of bound | streamed maps (s) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -3,6 +3,8 @@
     python bench/tailreplay_ttft.py [--prefixes 2048,8192,16384] [--suffix 128]
                                     [--ratios 0.05,0.1] [--reps 5] [--threads 2]
                                     [--redis-url redis://127.0.0.1:6379/0 | --redis-url '']
+                                    [--device cuda [--device-cache-bytes N]
+                                     [--gdn-kernel triton] [--replay-graphs]]
 
 Model: the `bench` Qwen3.5 hybrid config (3 Gated DeltaNet : 1 full attention, 8 layers)
 with random fp32 weights, its context raised to fit the longest prompt. Each prompt is a
@@ -15,7 +17,14 @@ Arms, per prefix length:
 - memory-tier hit for each r in `--ratios`, with and without the overlap (FA KV written on a
   worker thread while the replay runs) and the tail-FFN skip;
 - Redis-tier hit (first r, overlap + skip): a fresh engine whose memory tier is empty, so
-  every block comes from Redis (skipped when `--redis-url ''` or Redis is unreachable).
+  every block comes from Redis (skipped when `--redis-url ''` or Redis is unreachable);
+- device-tier hit (first r, overlap + skip) with `--device-cache-bytes N`: a cache with a
+  device tier of N bytes, warmed by one untimed hit, so every timed hit reads its FA KV from
+  device memory.
+
+`--gdn-kernel triton` runs the chunked delta rule on the fused Triton kernels and
+`--replay-graphs` the replay through CUDA graphs (both CUDA only; they set
+`SPLITSTACK_GDN_KERNEL` and `SPLITSTACK_REPLAY_GRAPHS` for every arm).
 
 Subnormal floats are flushed to zero as in the serving processes (`--keep-denormals`: kept).
 Prints one table: TTFT, the speedup over the full prefill, and the mean replay and KV-copy
@@ -24,6 +33,7 @@ time of the hits (from the prefix cache's histograms).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -76,7 +86,7 @@ def mean_ms(before: dict, after: dict, name: str) -> float:
     return 1000 * (s1 - s0) / (n1 - n0) if n1 > n0 else float("nan")
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefixes", default="2048,8192,16384")
     parser.add_argument("--suffix", type=int, default=128)
@@ -90,7 +100,23 @@ def main() -> None:
     parser.add_argument("--keep-denormals", action="store_true",
                         help="compute with subnormal floats (the serving processes flush them "
                              "to zero, services/common/process.py)")
-    args = parser.parse_args()
+    parser.add_argument("--device-cache-bytes", type=int, default=0,
+                        help="add a device-tier arm with a device tier of this many bytes")
+    parser.add_argument("--gdn-kernel", choices=("torch", "triton"), default=None,
+                        help="chunked delta-rule kernel (sets SPLITSTACK_GDN_KERNEL)")
+    parser.add_argument("--replay-graphs", action="store_true",
+                        help="replay through CUDA graphs (sets SPLITSTACK_REPLAY_GRAPHS=1)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    if args.device_cache_bytes and args.device == "cpu":
+        raise SystemExit("--device-cache-bytes needs --device cuda")
+    if args.gdn_kernel:
+        os.environ["SPLITSTACK_GDN_KERNEL"] = args.gdn_kernel
+    if args.replay_graphs:
+        os.environ["SPLITSTACK_REPLAY_GRAPHS"] = "1"
     flushed = not args.keep_denormals and flush_denormals()    # before any parallel op
     torch.set_num_threads(args.threads)
     prefixes = [int(p) for p in args.prefixes.split(",")]
@@ -112,11 +138,13 @@ def main() -> None:
     def rand(n: int) -> list[int]:
         return torch.randint(0, cfg["vocab_size"], (n,), generator=gen).tolist()
 
-    def cache(redis: bool = False, metrics: PrefixCacheMetrics | None = None) -> PrefixCache:
+    def cache(redis: bool = False, metrics: PrefixCacheMetrics | None = None,
+              device_bytes: int = 0) -> PrefixCache:
         return PrefixCache(PrefixCacheConfig(
             namespace="bench-qwen3_5", block_size=16, capacity_bytes=8 << 30,
             redis_url=args.redis_url if redis else None, redis_prefix=redis_prefix,
-            redis_timeout_s=5.0), metrics or PrefixCacheMetrics())
+            redis_timeout_s=5.0, device_capacity_bytes=device_bytes),
+            metrics or PrefixCacheMetrics(), device=args.device if device_bytes else None)
 
     def timed(engine: LLMEngine, prefix: list[int]) -> float:
         return statistics.median(ttft_s(engine, prefix + rand(args.suffix))
@@ -126,7 +154,9 @@ def main() -> None:
              else f"{args.threads} torch threads")
     print(f"Qwen3.5 bench config (random fp32), suffix {args.suffix} tokens, median of "
           f"{args.reps}, {where}, prefill chunk {args.chunk}, subnormals "
-          f"{'flushed to zero' if flushed else 'kept'}", flush=True)
+          f"{'flushed to zero' if flushed else 'kept'}, delta-rule kernel "
+          f"{os.environ.get('SPLITSTACK_GDN_KERNEL', 'torch')}, replay CUDA graphs "
+          f"{on(os.environ.get('SPLITSTACK_REPLAY_GRAPHS') == '1')}", flush=True)
     print("| prefix | arm | r | overlap | FFN skip | TTFT ms | speedup vs full | replay ms "
           "| KV copy ms |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
@@ -149,6 +179,18 @@ def main() -> None:
                     after = histogram(memory)
                     row(n, "hit, memory tier", f"{r:.0%}", on(overlap), on(skip), hit, full,
                         mean_ms(before, after, "replay"), mean_ms(before, after, "transfer"))
+            if args.device_cache_bytes:
+                tiered = cache(device_bytes=args.device_cache_bytes)
+                ttft_s(LLMEngine(model, engine_cfg, prefix_cache=tiered), prefix)   # store it
+                engine = LLMEngine(model, engine_cfg, prefix_cache=tiered,
+                                   replay_ratio=ratios[0])
+                ttft_s(engine, prefix + rand(args.suffix))     # promotes it to the device
+                before = histogram(tiered)
+                hit = timed(engine, prefix)
+                after = histogram(tiered)
+                row(n, "hit, device tier", f"{ratios[0]:.0%}", "on", "on", hit, full,
+                    mean_ms(before, after, "replay"), mean_ms(before, after, "transfer"))
+                tiered.close()
             if redis_ok:
                 ttft_s(LLMEngine(model, engine_cfg, prefix_cache=cache(redis=True)), prefix)
                 metrics, hits = PrefixCacheMetrics(), []

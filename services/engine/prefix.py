@@ -41,6 +41,7 @@ from services.engine.sequence import Sequence
 from services.prefix_cache import Hit, PrefixCache
 from services.prefix_cache.replay import (TailReplayConfig, hidden_layers, replay_len,
                                           tail_replay)
+from services.prefix_cache.replay_graph import GraphedTailReplay
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class PrefixReuse:
         self._inserts: list[Future] = []
         cuda = storage.kv.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(storage.kv.device) if cuda else None
+        self._graphed = (GraphedTailReplay(model, replay.ffn_skip)
+                         if cuda and replay.cuda_graphs and model.config.is_hybrid else None)
 
     @staticmethod
     def uses(seq: Sequence) -> bool:
@@ -140,7 +143,8 @@ class PrefixReuse:
         k = replay_len(m, self.ratio(seq), self.model.config.linear_conv_kernel_dim)
         tail = torch.tensor(seq.tokens[m - k:m], dtype=torch.long)
         tail_hidden = hit.hidden(m - k) if self.hidden_layers and k else None
-        states = tail_replay(self.model, tail, tail_hidden, self.replay.ffn_skip)
+        states = (self._graphed(tail, tail_hidden) if self._graphed is not None
+                  else tail_replay(self.model, tail, tail_hidden, self.replay.ffn_skip))
         self.storage.conv[:, seq.state_slot] = states.conv
         self.storage.recurrent[:, seq.state_slot] = states.recurrent
         self.metrics.replay_seconds.observe(time.perf_counter() - start)
@@ -149,10 +153,9 @@ class PrefixReuse:
         start = time.perf_counter()
         stream = self._copy_stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            kv = hit.kv().to(self.storage.kv.device, non_blocking=True)   # [F, 2, m, KV, D]
+            kv = hit.kv_to(self.storage.kv.device)          # [F, 2, m, KV, D] (device tier)
             slots = self.storage.token_slots(seq.block_table, hit.length)
-            for i, l in enumerate(self.model.config.full_attention_layers):
-                self.storage.write_kv(l, slots, kv[i, 0], kv[i, 1])
+            self.storage.write_kv_all(slots, kv)
             if stream is not None:
                 stream.synchronize()
         self.metrics.transfer_seconds.observe(time.perf_counter() - start)

@@ -30,6 +30,8 @@ class PrefixCacheMetrics:
                                   registry=r)
         self.memory_capacity_bytes = Gauge(p + "memory_capacity_bytes",
                                            "Capacity of the memory tier", registry=r)
+        self.device_bytes = Gauge(p + "device_bytes", "Bytes of the device tier's slots "
+                                  "holding a block", registry=r)
         self.replay_seconds = Histogram(p + "replay_seconds",
                                         "Tail replay of the linear-attention states of a hit",
                                         registry=r, buckets=REPLAY_BUCKETS)

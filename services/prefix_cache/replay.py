@@ -29,7 +29,8 @@ evaluation arm can use these three functions without an engine.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +53,10 @@ class TailReplayConfig:
     replay_ratio: float = 0.1   # r: replay the last ceil(r·m) rows of an m-token hit; 0: zero-only
     overlap: bool = True        # write the FA KV on a worker thread while replaying
     ffn_skip: bool = True       # a group's last layer runs only its state update
+    # replay through CUDA graphs at bucketed tail lengths (`replay_graph.py`), CUDA only;
+    # SPLITSTACK_REPLAY_GRAPHS=1 turns it on for engines that take the default
+    cuda_graphs: bool = field(
+        default_factory=lambda: os.environ.get("SPLITSTACK_REPLAY_GRAPHS", "0") == "1")
 
     def __post_init__(self):
         check_ratio(self.replay_ratio)
@@ -115,9 +120,11 @@ def zero_states(model: CausalLM) -> GDNStates:
 
 @torch.inference_mode()
 def tail_replay(model: CausalLM, tail_ids: torch.Tensor, tail_hidden: torch.Tensor | None,
-                ffn_skip: bool = True) -> GDNStates:
+                ffn_skip: bool = True, row_mask: torch.Tensor | None = None) -> GDNStates:
     """tail_ids [k] (the hit's last k tokens), tail_hidden [G, k, H] (their cached FA output
-    hiddens; None when G = 0) -> the GDN states after the tail, each group from zero."""
+    hiddens; None when G = 0) -> the GDN states after the tail, each group from zero.
+    `row_mask` [k, 1] (1 keep, 0 drop) zeroes dropped rows' embeddings: leading rows that
+    are zero everywhere (hiddens too) leave every state as without them (`replay_graph`)."""
     cfg = model.config
     states = zero_states(model)
     if tail_ids.numel() == 0:
@@ -127,6 +134,8 @@ def tail_replay(model: CausalLM, tail_ids: torch.Tensor, tail_hidden: torch.Tens
     for group in groups(cfg):
         if group.fa_layer is None:
             x = model.embed(tail_ids.to(model.device))
+            if row_mask is not None:
+                x = x * row_mask
         else:
             x = tail_hidden[g].to(model.device, model.dtype)
             g += 1

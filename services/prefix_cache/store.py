@@ -4,8 +4,10 @@ A lookup follows full blocks by key (`block.py`). At the first miss it takes, am
 children of the last matched block, the one sharing the longest token prefix with the query
 and uses that many of its rows, so a hit may end at any token.
 
-Tiers: an LRU memory tier bounded in payload bytes, and an optional Redis tier that replicas
-share (`redis_tier.py`). Redis hits are promoted into memory.
+Tiers: an LRU memory tier bounded in payload bytes, an optional Redis tier that replicas
+share (`redis_tier.py`), and above memory an optional device tier that keeps blocks' FA KV on
+the GPU (`device_tier.py`, inclusive of memory). Redis hits are promoted into memory, and a
+hit's KV gathered on the device (`Hit.kv_to`) promotes its blocks into the device tier.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 
 from services.prefix_cache.block import (Block, block_key, check_rows, common_prefix, copy_rows,
                                          root_key)
+from services.prefix_cache.device_tier import DeviceTier
 from services.prefix_cache.metrics import PrefixCacheMetrics
 from services.prefix_cache.redis_tier import RedisTier
 
@@ -33,6 +36,7 @@ class PrefixCacheConfig:
     redis_timeout_s: float = 0.25        # socket connect and read timeouts
     redis_ttl_s: int | None = None
     redis_backoff_s: float = 1.0         # no Redis call for this long after a failure
+    device_capacity_bytes: int = 0       # device tier (FA KV on the GPU); 0: none
 
     def __post_init__(self):
         if not self.namespace:
@@ -41,6 +45,9 @@ class PrefixCacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {self.capacity_bytes}")
+        if self.device_capacity_bytes < 0:
+            raise ValueError(f"device_capacity_bytes must be >= 0, got "
+                             f"{self.device_capacity_bytes}")
         if self.redis_timeout_s <= 0 or self.redis_backoff_s < 0:
             raise ValueError(f"bad redis timeout/backoff {self.redis_timeout_s}, "
                              f"{self.redis_backoff_s}")
@@ -96,6 +103,18 @@ class Hit:
             return self._parts[0][0].hidden[:, :0].clone()
         return torch.cat(pieces, dim=1)
 
+    def kv_to(self, device: str | torch.device) -> torch.Tensor:
+        """[F, 2, m, KV, D] on `device`: through the device tier when it serves that device
+        (resident blocks read in place, the others copied from pinned staging and
+        admitted), else a copy of `kv()`."""
+        tier, device = self._cache.device_tier, torch.device(device)
+        if tier is not None and (tier.device.type, tier.device.index or 0) == \
+                (device.type, device.index or 0):
+            kv = tier.gather(self._parts, {b.key for b in self._pinned})
+            self._cache.metrics.device_bytes.set(tier.stats().bytes_used)
+            return kv
+        return self.kv().to(device, non_blocking=True)
+
     def provenance(self) -> torch.Tensor:
         """uint8 [m]: EXACT or FILLED per row."""
         return torch.cat([b.provenance[:rows] for b, rows in self._parts])
@@ -125,7 +144,10 @@ class PrefixCache:
     children, so prefixes shrink from their tail and a resident block's parent is resident.
     """
 
-    def __init__(self, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None = None):
+    def __init__(self, config: PrefixCacheConfig, metrics: PrefixCacheMetrics | None = None,
+                 device: str | torch.device | None = None):
+        """`device`: where hits are restored to; with `config.device_capacity_bytes` it
+        gets a device tier (a CPU device runs the tier's bookkeeping, for tests)."""
         self.config = config
         self.metrics = metrics or PrefixCacheMetrics()
         self.root = root_key(config.namespace)
@@ -134,6 +156,8 @@ class PrefixCache:
         self._bytes = 0
         self._lock = threading.Lock()
         self._redis = RedisTier(config, self.metrics) if config.redis_url else None
+        self.device_tier = (DeviceTier(config.device_capacity_bytes, device, config.block_size)
+                            if device is not None and config.device_capacity_bytes else None)
         self.metrics.memory_capacity_bytes.set(config.capacity_bytes)
 
     def insert(self, tokens: Sequence[int], kv: torch.Tensor, hidden: torch.Tensor | None,
@@ -315,6 +339,8 @@ class PrefixCache:
         parent = self._blocks.get(block.parent)
         if parent is not None:
             parent.resident_kids -= 1
+        if self.device_tier is not None:        # inclusive: no device copy without a host one
+            self.device_tier.discard(block.key)
         self.metrics.evictions.inc()
         self.metrics.memory_bytes.set(self._bytes)
 
