@@ -9,6 +9,8 @@ its request is aborted and its KV freed at the next step boundary.
 from __future__ import annotations
 
 import logging
+import time
+
 import grpc
 from prometheus_client import generate_latest
 
@@ -38,6 +40,14 @@ def _refusal(exc: Exception) -> pb.GenerateEvent:
                             error_field=getattr(exc, "field", "") or "")
 
 
+def _stage_times(out: StepOutput, remote_s: float) -> dict:
+    """The first token's queue and prefill seconds; the prefill includes the call to the
+    prefill replica, which ran before the request reached this engine's queue."""
+    if out.queue_s is None:
+        return {}
+    return {"queue_s": out.queue_s, "prefill_s": out.prefill_s + remote_s}
+
+
 class AttentionServicer(pb_grpc.AttentionServicer):
     """`prefill`: a `PrefillClient`; each prompt is then prefilled by the prefill service
     (exact, RidgeFill, prefix cache) before its request is submitted, else here."""
@@ -50,6 +60,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)
         extra = {"output_ids": list(request.resume_ids)}      # a migrated request's tokens
+        remote_s = 0.0                                        # its prefill on a replica
         try:
             params = params_from_proto(request)
             if self.prefill is not None:
@@ -60,8 +71,10 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                        "prefills on prefill replicas")
                 cancel = CancelHandle()
                 context.add_callback(cancel.cancel)
+                started = time.monotonic()
                 extra["prefilled"] = self.prefill.prefill(prompt + extra["output_ids"],
                                                           request.prefill, cancel)
+                remote_s = time.monotonic() - started
             elif asks_for_prefill(request.prefill):
                 raise RequestError("prefill_mode", request.prefill.mode,
                                    "this deployment has no prefill service (start it with "
@@ -86,7 +99,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                    error=out.error or "",
                                    top_tokens=[t for t, _ in out.top_logprobs or ()],
                                    top_logprobs=[lp for _, lp in out.top_logprobs or ()],
-                                   **prompt_logprob_fields(out.prompt_logprobs))
+                                   **prompt_logprob_fields(out.prompt_logprobs),
+                                   **_stage_times(out, remote_s))
             if out.finished:
                 return
 

@@ -116,6 +116,9 @@ class StepOutput:
     top_logprobs: list[tuple[int, float]] | None = None   # `params.logprobs`: (token, log-prob)
     prompt_logprobs: list | None = None   # `params.prompt_logprobs`: with the first token,
                                           # a TokenLogprob per prompt token after the first
+    # with a request's first token in this engine, its engine-side stage times (seconds):
+    queue_s: float | None = None          # add_request to its first scheduling
+    prefill_s: float | None = None        # first scheduling to the first token
 
 
 @dataclass

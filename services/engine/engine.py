@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -189,6 +190,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        now = time.monotonic()
+        for c in out.prefill:
+            if c.seq.scheduled_s is None:
+                c.seq.scheduled_s = now
         failed: list[StepOutput] = []
         if self.prefix is not None:
             failed = [self._fail(seq, f"{type(exc).__name__}: {exc}")
@@ -289,10 +294,14 @@ class LLMEngine:
                 self._finish(seq, reason)
             prompt = (list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None
                       and len(seq.output_ids) == 1 else None)
-            results.append(StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
-                                      export=export,
-                                      top_logprobs=seq.params.top_logprobs(logits),
-                                      prompt_logprobs=prompt))
+            result = StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
+                                export=export, top_logprobs=seq.params.top_logprobs(logits),
+                                prompt_logprobs=prompt)
+            if seq.first_token_s is None:
+                seq.first_token_s = time.monotonic()
+                result.queue_s = seq.scheduled_s - seq.arrival_s
+                result.prefill_s = seq.first_token_s - seq.scheduled_s
+            results.append(result)
         return results
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:

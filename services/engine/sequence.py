@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None = None
     prefilled: PromptExport | None = None   # its prompt, prefilled elsewhere (installed
                                             # on admission, then dropped)
+    arrival_s: float = field(default_factory=time.monotonic)   # add_request
+    scheduled_s: float | None = None       # its first scheduling (not reset by preemption)
+    first_token_s: float | None = None     # its first token in this engine
 
     def __post_init__(self):
         seed = self.params.sampling.seed

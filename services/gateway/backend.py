@@ -51,6 +51,9 @@ class EngineBackend(StepDriver, EngineClient):
     def num_running(self) -> int:
         return len(self.streams)
 
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)     # a deque's length: safe to read here
+
     async def refresh(self) -> None:
         """Nothing to poll: the engine is in this process."""
 

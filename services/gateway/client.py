@@ -38,6 +38,11 @@ class EngineClient(ABC):
     def num_running(self) -> int:
         """Requests submitted and not yet finished."""
 
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet scheduled (what the last `refresh` saw, for a
+        backend that polls it; 0 for one that cannot tell)."""
+        return 0
+
     @abstractmethod
     async def refresh(self) -> None:
         """Polls whatever `kv_usage` and the metrics read from (before `/metrics`)."""

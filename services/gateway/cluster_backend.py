@@ -56,6 +56,11 @@ class _Endpoint:
             self.stub = self._stub_cls(self.channel)
 
 
+def _stage_times(ev: pb.GenerateEvent) -> dict:
+    """A first token's queue and prefill seconds, as its attention service measured them."""
+    return {name: getattr(ev, name) for name in ("queue_s", "prefill_s") if ev.HasField(name)}
+
+
 class RemoteMetrics:
     """A collector re-exporting what other services exported (their Prometheus text, as
     polled), each sample labelled with the `service` it came from: the prefill replicas'
@@ -117,6 +122,8 @@ class ClusterBackend(EngineClient):
             self.migrations = Counter(
                 "splitstack_migrations", "Requests moved to another attention service and "
                 "continued there", ["reason"], registry=registry)
+            for reason in ("failure", "drain"):      # exported at 0 before the first move
+                self.migrations.labels(reason)
             self.migration_pause = Histogram(
                 "splitstack_migration_pause_seconds", "A migrated request's last token "
                 "before the move to its first token after it", registry=registry,
@@ -128,6 +135,7 @@ class ClusterBackend(EngineClient):
         self._ids = itertools.count()
         self._turn = itertools.count()
         self._usage = 0.0
+        self._waiting = 0
 
     # ---- routing --------------------------------------------------------------------
     async def _live(self) -> list[_Endpoint]:
@@ -236,7 +244,8 @@ class ClusterBackend(EngineClient):
                                                 ev.logprob if ev.has_token else None,
                                                 ev.finished, ev.finish_reason or None,
                                                 ev.error or None, top_logprobs=top,
-                                                prompt_logprobs=prompt_logprobs_from(ev)))
+                                                prompt_logprobs=prompt_logprobs_from(ev),
+                                                **_stage_times(ev)))
                     if ev.finished:
                         return
             except asyncio.CancelledError:
@@ -354,6 +363,9 @@ class ClusterBackend(EngineClient):
     def num_running(self) -> int:
         return len(self.calls)
 
+    def num_waiting(self) -> int:
+        return self._waiting
+
     async def refresh(self) -> list[pb.AttentionStats]:
         """Poll every live service's stats; the gateway's KV gauge is the fullest one."""
         polled: dict[str, pb.AttentionStats] = {}
@@ -365,6 +377,7 @@ class ClusterBackend(EngineClient):
                 self._mark_down(ep, err)
         stats = list(polled.values())
         self._usage = max((s.kv_usage for s in stats), default=0.0)
+        self._waiting = sum(s.waiting for s in stats)
         if self.gauges is not None:
             for ep in self.endpoints:
                 self.gauges["up"].labels(ep.address).set(ep.down_since is None)

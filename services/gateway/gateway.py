@@ -145,7 +145,8 @@ class Gateway:
         count = 0                              # tokens generated
         entries: list[TokenLogprob] = []       # tokens not yet sent with a delta
         prompt = None                          # the prompt's log-probs, for the first delta
-        last, finished = None, False           # finished: the engine has let the request go
+        first = last = None                    # when the first and the last token came
+        finished = False                       # the engine has let the request go
         outcome = "abort"                      # what the request is counted as
         try:
             while True:
@@ -156,8 +157,11 @@ class Gateway:
                     raise APIError(500, f"generation failed: {step.error}", type_="server_error")
                 new = ""
                 if step.token is not None:
-                    (self.metrics.ttft if last is None else self.metrics.itl).observe(
-                        now - (arrival if last is None else last))
+                    if last is None:
+                        first = now
+                        self._observe_first(step, now - arrival)
+                    else:
+                        self.metrics.itl.observe(now - last)
                     last = now
                     count += 1
                     self.metrics.generation_tokens.inc()
@@ -179,6 +183,8 @@ class Gateway:
                 if reason:     # settled before the last yield: the caller may close there
                     finished, outcome = step.finished, reason
                     self.metrics.e2e.observe(now - arrival)
+                    if first is not None:
+                        self.metrics.decode_time.observe(now - first)
                 if text or reason:
                     yield Delta(text, reason, count, entries, prompt)
                     entries, prompt = [], None
@@ -187,9 +193,16 @@ class Gateway:
         finally:
             if not finished:           # a stop string, a client gone, or a failed stream
                 self.backend.abort(seq_id)
-            self.metrics.requests.labels(outcome).inc()
+            self.metrics.finish(outcome)
             self.metrics.running.dec()
             self.metrics.kv_usage.set(self.backend.kv_usage())
+
+    def _observe_first(self, step, ttft: float) -> None:
+        """A request's first token: its TTFT, and the engine's queue and prefill times."""
+        self.metrics.ttft.observe(ttft)
+        if step.queue_s is not None:
+            self.metrics.queue_time.observe(step.queue_s)
+            self.metrics.prefill_time.observe(step.prefill_s)
 
 
 class Delta(NamedTuple):

@@ -155,7 +155,10 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         r = self.registry
         self.request_seconds = Histogram(
             "splitstack_prefill_request_seconds", "Prefill replica: from a call's arrival to "
-            "its prompt's KV being ready (queue + compute)", registry=r, buckets=PREFILL_BUCKETS)
+            "its prompt's KV being ready (queue + compute), by prefill mode", ["mode"],
+            registry=r, buckets=PREFILL_BUCKETS)
+        for mode in PREFILL_MODES:
+            self.request_seconds.labels(mode)
         self.send_seconds = Histogram(
             "splitstack_prefill_send_seconds", "Prefill replica: streaming a prompt's KV and "
             "states to the attention service", registry=r, buckets=PREFILL_BUCKETS)
@@ -198,7 +201,8 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.prefills += 1
         self.prompt_tokens.inc(len(ids))
         ready = time.perf_counter()
-        self.request_seconds.observe(ready - start)
+        mode = "exact" if params.prefill is None else "ridgefill"
+        self.request_seconds.labels(mode).observe(ready - start)
         if request.nccl_peer:
             from services.common.nccl_transport import meta
 

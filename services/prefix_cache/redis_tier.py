@@ -43,6 +43,8 @@ class RedisTier:
 
     def __init__(self, config: PrefixCacheConfig, metrics: PrefixCacheMetrics):
         self.config, self.metrics = config, metrics
+        for kind in ("unavailable", "timeout", "corrupt"):   # exported at 0 from the start
+            metrics.errors.labels(tier="redis", kind=kind)
         t = config.redis_timeout_s
         self.client = redis.Redis.from_url(
             config.redis_url, socket_timeout=t, socket_connect_timeout=t,
