@@ -4,11 +4,13 @@ and the two panel kinds used (time series and stat), each with a title, a unit a
 description."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
 from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
@@ -140,4 +142,10 @@ def dashboard(uid: str, title: str, description: str, tags: list[str],
     model = d.build()
     for i, panel in enumerate(model.panels, start=1):
         panel.id_val = i
-    return model.to_json()
+    out = json.loads(json.dumps(model, cls=JSONEncoder))
+    for var in out["templating"]["list"]:
+        # the SDK writes an interval variable's settings on every variable; Grafana's
+        # dashboard schema has no such fields on a variable (and none of these is one)
+        for key in ("auto", "auto_count", "auto_min"):
+            var.pop(key, None)
+    return out
