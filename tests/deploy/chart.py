@@ -58,6 +58,17 @@ def crd_schema(kind: str) -> dict:
     return strict_schema(version["schema"]["openAPIV3Schema"])
 
 
+@lru_cache(maxsize=None)
+def crd_validator(kind: str):
+    """A validator of `kind` against its strict CRD schema (checked once, reused)."""
+    import jsonschema
+
+    schema = crd_schema(kind)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls.check_schema(schema)
+    return cls(schema)
+
+
 def strict_schema(node):
     """OpenAPI v3 (Kubernetes' dialect) -> JSON Schema that refuses unknown fields, as an API
     server with field validation does: `nullable` adds null, int-or-string takes either, and
@@ -68,6 +79,8 @@ def strict_schema(node):
         return node
     out = {k: strict_schema(v) for k, v in node.items()
            if not k.startswith("x-kubernetes-") and k != "nullable"}
+    if "(?i)" in str(out.get("pattern", "")):     # Go's regexp takes the flag anywhere
+        out["pattern"] = "(?i)" + out["pattern"].replace("(?i)", "")
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
@@ -140,7 +153,7 @@ def readme_table() -> dict[str, str]:
     """Key -> default of the chart README's values table (`| key | default | description |`)."""
     rows = {}
     for line in (CHART / "README.md").read_text().splitlines():
-        m = re.match(r"^\| `([^`]+)` \| `(.*)` \|", line)
+        m = re.match(r"^\| `([^`]+)` \| `(.*?)` \|", line)
         if m:
             rows[m.group(1)] = m.group(2)
     return rows
