@@ -45,6 +45,11 @@ import triton; print(\"triton\", triton.__version__)'"
 
 if [ -z "${SKIP_INSTALL:-}" ]; then
   PIP="$PY -m pip install --retries 0 --timeout 15"
+  # the project and its test extra, only where this Python lacks them (a CUDA build of
+  # torch 2.13.0 already installed satisfies the pin and stays)
+  if ! $PY -c "import models, services.engine, prometheus_client, pytest, redis" 2>/dev/null; then
+    step install_project 300 $PIP -e ".[test]"
+  fi
   step install_gpu_extra 120 $PIP cupy-cuda12x
   if ! $PY -c "import flash_attn" 2>/dev/null; then
     step install_flash_attn_wheel 120 $PIP --only-binary :all: flash-attn
@@ -54,7 +59,11 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
     fi
   fi
 fi
-$PY -c "import flash_attn; print('flash-attn', flash_attn.__version__)" >> "$SUMMARY" 2>&1 \
+# the gRPC stubs the Ray and gRPC modules import (the Makefile's `proto` target)
+if [ ! -f services/common/pb/splitstack_pb2.py ]; then
+  step proto 60 $PY -m grpc_tools.protoc -Iservices/common/pb=proto --python_out=. --grpc_python_out=. services/common/pb/splitstack.proto
+fi
+$PY -c "import flash_attn; print('flash-attn', flash_attn.__version__)" >> "$SUMMARY" 2>/dev/null \
   || echo "flash-attn: not importable (its tests skip; see install_flash_attn_*.txt)" >> "$SUMMARY"
 
 # every GPU-marked test; -rs lists each skip with its reason
