@@ -23,12 +23,14 @@ def overview() -> dict:
             Panel("Request rate", "reqps", "Requests finished per second, any outcome.",
                   [(rate(FINISHED), "requests/s")], kind="stat", width=6, height=4),
             Panel("Error ratio", "percentunit", "Share of finished requests that failed "
-                  "(finish reason error).", [(error_ratio, "errors")], kind="stat",
-                  width=6, height=4),
+                  "(finish reason error); red from 5%, the SplitstackHighErrorRatio alert's "
+                  "threshold.", [(error_ratio, "errors")], kind="stat", width=6, height=4,
+                  red_from=0.05),
             Panel("TTFT p95", "s", "95th percentile of the time from a request's arrival "
-                  "to its first token.",
+                  "to its first token; red from 2 s, the objective of the "
+                  "SplitstackTTFTOverSLO alert.",
                   [(quantile(0.95, "splitstack_time_to_first_token_seconds"), "p95")],
-                  kind="stat", width=6, height=4),
+                  kind="stat", width=6, height=4, red_from=2),
             Panel("Running", "short", "Requests in the engines now.",
                   [(f"sum(splitstack_requests_running{sel()})", "running")], kind="stat",
                   width=6, height=4),

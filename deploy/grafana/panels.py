@@ -78,6 +78,7 @@ class Panel:
     height: int = 8
     stack: bool = False
     max: float | None = None
+    red_from: float | None = None      # a stat turns red from here (an alert's threshold)
 
     def builder(self):
         p = stat.Panel() if self.kind == "stat" else timeseries.Panel()
@@ -85,6 +86,9 @@ class Panel:
              .datasource(DATASOURCE).span(self.width).height(self.height).min(0))
         if self.max is not None:
             p = p.max(self.max)
+        if self.red_from is not None:
+            p = p.thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+                [dm.Threshold(None, "green"), dm.Threshold(self.red_from, "red")]))
         for i, (expr, legend) in enumerate(self.targets):
             p = p.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
                               .ref_id(chr(ord("A") + i)).range())
