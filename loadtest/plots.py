@@ -36,9 +36,9 @@ def cdf(path: Path, result: dict, samples: list[list[float]], what: str, xlabel:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for p, values in zip(result["points"], samples):
         v = np.sort(np.asarray(values, dtype=float) * 1000.0)
-        if v.size:
-            ax.step(v, np.arange(1, v.size + 1) / v.size, where="post",
-                    label=f"{point_label(p)} (n={v.size})")
+        if v.size:           # from (first, 0): a single sample still shows as a step
+            ax.step(np.r_[v[0], v], np.r_[0.0, np.arange(1, v.size + 1) / v.size],
+                    where="post", label=f"{point_label(p)} (n={v.size})")
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 1.02)
@@ -55,23 +55,22 @@ def cdf(path: Path, result: dict, samples: list[list[float]], what: str, xlabel:
 def throughput(path: Path, result: dict) -> None:
     x, xlabel = sweep_axis(result)
     pts = result["points"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    ax.plot(x, [p["output_throughput"] for p in pts], "o-", label="output tokens/s")
-    ax.plot(x, [p["total_token_throughput"] for p in pts], "s--",
-            label="total tokens/s (prompt + output)")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("tokens per second")
-    ax2 = ax.twinx()
-    ax2.plot(x, [p["request_throughput"] for p in pts], "^:", color="tab:red",
+    fig, (tok, req) = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
+    tok.plot(x, [p["output_throughput"] for p in pts], "o-", label="output tokens/s")
+    tok.plot(x, [p["total_token_throughput"] for p in pts], "s--",
+             label="total tokens/s (prompt + output)")
+    tok.set_ylabel("tokens per second")
+    tok.set_title("Token throughput")
+    req.plot(x, [p["request_throughput"] for p in pts], "^-", color="tab:red",
              label="completed requests/s")
-    ax2.set_ylabel("requests per second", color="tab:red")
-    ax2.grid(False)
-    ax.set_ylim(bottom=0)
-    ax2.set_ylim(bottom=0)
-    _sweep_ticks(ax, x, result)
-    lines = ax.get_lines() + ax2.get_lines()
-    ax.legend(lines, [line.get_label() for line in lines], loc="upper left")
-    ax.set_title(title(result, "Throughput"))
+    req.set_ylabel("requests per second")
+    req.set_title("Request throughput")
+    for ax in (tok, req):
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 1e-3) * 1.15)
+        ax.legend(loc="best")
+        _sweep_ticks(ax, x, result)
+    fig.suptitle(title(result, "Throughput"))
     fig.savefig(path)
     plt.close(fig)
 
@@ -79,7 +78,7 @@ def throughput(path: Path, result: dict) -> None:
 def latency(path: Path, result: dict) -> None:
     x, xlabel = sweep_axis(result)
     pts = result["points"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     for ax, metrics, what in ((axes[0], ("ttft", "e2el"), "TTFT and end-to-end latency"),
                               (axes[1], ("tpot", "itl"), "TPOT and inter-token latency")):
         for m, style in zip(metrics, ("tab:blue", "tab:orange")):

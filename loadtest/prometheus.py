@@ -116,8 +116,11 @@ def legend(fmt: str, labels: dict) -> str:
 
 
 def query_panels(prometheus: str, panels: list[Panel], start: float, end: float,
-                 variables: dict[str, str], rate_interval: str) -> None:
-    """Fills each panel's series (or errors) from `query_range` over [start, end]."""
+                 variables: dict[str, str], rate_interval: str,
+                 origin: float | None = None) -> None:
+    """Fills each panel's series (or errors) from `query_range` over [start, end]; times
+    in seconds from `origin` (default: `start`)."""
+    origin = start if origin is None else origin
     step = max(1.0, (end - start) / 300)
     base = prometheus.rstrip("/")
     with httpx.Client(timeout=30) as client:
@@ -135,32 +138,42 @@ def query_panels(prometheus: str, panels: list[Panel], start: float, end: float,
                     panel.errors.append(f"{expr}: {body.get('error', r.text[:200])}")
                     continue
                 for s in body["data"]["result"]:
-                    xs = [float(v[0]) - start for v in s["values"]]
+                    xs = [float(v[0]) - origin for v in s["values"]]
                     ys = [float(v[1]) for v in s["values"]]
                     panel.series.append((legend(t.get("legendFormat", ""), s["metric"]), xs, ys))
 
 
-def render(path: Path, title: str, panels: list[Panel], subtitle: str) -> None:
+def render(path: Path, title: str, panels: list[Panel], subtitle: str,
+           marks: list[tuple[float, str]] = (),
+           xlim: tuple[float, float] | None = None) -> None:
+    """The panels in two columns over `xlim` (seconds); `marks`: (seconds, label) of each
+    sweep point's start, drawn as dotted lines."""
     from loadtest.plots import plt
 
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.4 * rows + 0.8), squeeze=False,
+                             layout="constrained")
     for ax, panel in zip(axes.flat, panels):
         for name, xs, ys in panel.series[:12]:
             ax.plot(xs, ys, label=name[:60])
+        for at, label in marks:
+            ax.axvline(at, color="gray", linestyle=":", linewidth=1)
+            ax.annotate(label, (at, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                        textcoords="offset points", va="top", fontsize=7, color="gray")
+        if xlim:
+            ax.set_xlim(*xlim)
         ax.set_title(panel.title, fontsize=11)
         ax.set_xlabel("seconds since the run's start")
         ax.set_ylabel(unit_label(panel.unit))
         if panel.series:
-            ax.legend(fontsize=8, loc="upper left")
+            ax.legend(fontsize=8, loc="upper right")
         else:
             ax.text(0.5, 0.5, "query error" if panel.errors else "no data",
                     ha="center", va="center", transform=ax.transAxes, color="gray")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"{title}\n{subtitle}", fontsize=13)
-    fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
@@ -169,18 +182,23 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "dashboard"
 
 
-def prometheus_panels(out: Path, prometheus: str, start: float, end: float,
+def prometheus_panels(out: Path, prometheus: str, points: list[tuple[float, float, str]],
                       variables: dict[str, str], rate_interval: str,
                       directory: Path = DASHBOARDS) -> list[dict]:
-    """One PNG per dashboard in `out`; per dashboard its file and the panels that returned
-    no data or an error."""
+    """One PNG per dashboard in `out`, over the sweep's points ((start, end, label), Unix
+    seconds) and `pad` seconds either side; per dashboard its file and the panels that
+    returned no data or an error."""
     pad = 10.0
+    start, end = min(p[0] for p in points), max(p[1] for p in points)
+    marks = [(p[0] - start, p[2]) for p in points]
     written = []
     for title, panels in load_dashboards(directory):
-        query_panels(prometheus, panels, start - pad, end + pad, variables, rate_interval)
+        query_panels(prometheus, panels, start - pad, end + pad, variables, rate_interval,
+                     origin=start)
         name = f"prometheus-{slug(title)}.png"
         render(out / name, title, panels,
-               f"Prometheus {prometheus}, the run ±{pad:g} s, rate window {rate_interval}")
+               f"Prometheus {prometheus}, the run ±{pad:g} s, rate window {rate_interval}; "
+               "dotted lines: each sweep point's start", marks, (-pad, end - start + pad))
         written.append({"dashboard": title, "file": name, "panels": len(panels),
                         "empty": [p.title for p in panels if not p.series and not p.errors],
                         "errors": [e for p in panels for e in p.errors]})

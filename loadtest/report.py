@@ -93,10 +93,9 @@ def write_report(out: Path, result: dict, prometheus: str | None = None,
     if prometheus:
         from loadtest.prometheus import DASHBOARDS, prometheus_panels
 
-        start = min(p["start_time"] for p in result["points"])
-        end = max(p["end_time"] for p in result["points"])
-        panels = prometheus_panels(out, prometheus, start, end, prom_vars or {},
-                                   rate_interval, dashboards or DASHBOARDS)
+        points = [(p["start_time"], p["end_time"], point_label(p)) for p in result["points"]]
+        panels = prometheus_panels(out, prometheus, points, prom_vars or {}, rate_interval,
+                                   dashboards or DASHBOARDS)
         result["prometheus"] = {"url": prometheus, "rate_interval": rate_interval,
                                 "dashboards": panels}
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -1,19 +1,27 @@
 """`splitstack loadtest` and the Locust file against a live embedded SmolLM2 server on
 loopback (the e2e `server` fixture): bounded runs write result.json with `vllm bench
 serve`'s fields and sane values, report.md and valid PNG plots; Poisson arrivals; the
-time bound cancels what is in flight and the server frees it; a short headless Locust run
-records streamed requests and their TTFT."""
+time bound cancels what is in flight and the server frees it; with a real Prometheus
+scraping the server, the report draws every dashboard's panels over the run (a misspelt
+metric shows as a panel without data, a broken query as an error); a short headless
+Locust run records streamed requests and their TTFT."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from loadtest.cli import run
+from loadtest.prometheus import prometheus_panels
 from tests.helpers.gateway import wait_idle
 
 pytestmark = pytest.mark.slow
@@ -101,3 +109,72 @@ def test_locust_headless_run(server, tmp_path):
     assert int(post["Request Count"]) > 0 and int(post["Failure Count"]) == 0
     assert int(ttft["Request Count"]) == int(post["Request Count"])
     assert 0 < float(ttft["Median Response Time"]) <= float(post["Median Response Time"])
+
+
+@contextlib.contextmanager
+def prometheus(target: str, workdir: Path):
+    """Debian's Prometheus (`make setup` installs it) on a free loopback port, scraping
+    `target` (host:port) every second."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed: `make setup` installs it"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = workdir / "prometheus.yml"
+    job = f"{{job_name: splitstack, static_configs: [{{targets: ['{target}']}}]}}"
+    config.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - {job}\n")
+    proc = subprocess.Popen([binary, f"--config.file={config}",
+                             f"--storage.tsdb.path={workdir / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:          # ready, and the server scraped once
+            try:
+                up = httpx.get(url + "/api/v1/query", params={"query": "up"}, timeout=2).json()
+                if any(r["value"][1] == "1" for r in up["data"]["result"]):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            assert proc.poll() is None and time.time() < deadline, "Prometheus did not start"
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+def test_report_draws_the_dashboards_from_prometheus(server, tmp_path):
+    base, _ = server
+    out = tmp_path / "prom"
+    with prometheus(base.removeprefix("http://"), tmp_path) as url:
+        code = run(["--url", base, "--scenario", "chat", "--concurrency", "2",
+                    "--num-requests", "6", "--max-tokens", "8", "--max-seconds", "120",
+                    "--prometheus", url, "--prom-rate-interval", "5s", "--out", str(out),
+                    "--no-progress"])
+        assert code == 0
+        result = json.loads((out / "result.json").read_text())
+        boards = {d["dashboard"]: d for d in result["prometheus"]["dashboards"]}
+        titles = {json.loads(p.read_text())["title"]
+                  for p in (ROOT / "deploy" / "grafana").glob("*.json")}
+        assert titles and set(boards) == titles
+        md = (out / "report.md").read_text()
+        for d in boards.values():
+            data = (out / d["file"]).read_bytes()
+            assert data.startswith(PNG) and len(data) > 30_000 and f"]({d['file']})" in md
+            assert not d["errors"], d["errors"]
+        overview = next(d for t, d in boards.items() if "Overview" in t)
+        assert len(overview["empty"]) < overview["panels"] / 2, overview["empty"]
+        # the same range, a dashboard of our own: one good query, one misspelt, one broken
+        (tmp_path / "boards").mkdir()
+        (tmp_path / "boards" / "t.json").write_text(json.dumps({"title": "T", "panels": [
+            {"title": title, "targets": [{"expr": expr}]} for title, expr in (
+                ("good", "sum(rate(splitstack_generation_tokens_total[$__rate_interval]))"),
+                ("misspelt", "sum(rate(splitstack_generation_tokenz_total[$__rate_interval]))"),
+                ("broken", "sum(rate(splitstack_generation_tokens_total["))]}))
+        point = result["points"][0]
+        [d] = prometheus_panels(tmp_path, url, [(point["start_time"], point["end_time"], "c=2")],
+                                {}, "5s", tmp_path / "boards")
+    assert d["empty"] == ["misspelt"]
+    assert len(d["errors"]) == 1 and "splitstack_generation_tokens_total[" in d["errors"][0]
