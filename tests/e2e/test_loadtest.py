@@ -95,7 +95,7 @@ def test_time_bound_cancels_requests_in_flight(server, tmp_path):
 
 
 def test_locust_headless_run(server, tmp_path):
-    base, _ = server
+    base, gateway = server
     locust = Path(sys.executable).parent / "locust"
     proc = subprocess.run(
         [str(locust), "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
@@ -109,6 +109,7 @@ def test_locust_headless_run(server, tmp_path):
     assert int(post["Request Count"]) > 0 and int(post["Failure Count"]) == 0
     assert int(ttft["Request Count"]) == int(post["Request Count"])
     assert 0 < float(ttft["Median Response Time"]) <= float(post["Median Response Time"])
+    wait_idle(gateway)                  # the streams Locust left at its time limit ended
 
 
 @contextlib.contextmanager
