@@ -68,8 +68,8 @@ $PY -c "import flash_attn; print('flash-attn', flash_attn.__version__)" >> "$SUM
 
 # every GPU-marked test; -rs lists each skip with its reason
 step gpu_tests 300 $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/unit tests/integration
-# the engine's CUDA paths again, with the delta rule on the Triton kernels
-step gpu_tests_triton_engine 180 env SPLITSTACK_GDN_KERNEL=triton SPLITSTACK_REPLAY_GRAPHS=1 $PY -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu_paths.py
+# the engine's CUDA paths again: delta rule on the Triton kernels, replay and decode graphs
+step gpu_tests_triton_engine 180 env SPLITSTACK_GDN_KERNEL=triton SPLITSTACK_REPLAY_GRAPHS=1 SPLITSTACK_DECODE_GRAPHS=1 $PY -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu_paths.py
 
 # Tail-Replay: 16K with r = 5% (acceptance: a hit >= 8x faster than full prefill), and 32K
 step tailreplay_ttft 300 $PY bench/tailreplay_ttft.py --device cuda --prefixes 16384,32768 --ratios 0.05 --reps 3 --redis-url '' --gdn-kernel triton --replay-graphs --device-cache-bytes 8589934592

@@ -11,7 +11,7 @@ relies on is exercised everywhere:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -49,18 +49,24 @@ class GraphCache:
     """
 
     def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]],
-                 make_inputs: Callable[[int], tuple[torch.Tensor | None, ...]],
+                 make_inputs: Callable[[Hashable], tuple[torch.Tensor | None, ...]],
                  *, capture: bool, warmup: int = 2):
         self.fn, self.make_inputs, self.capture, self.warmup = fn, make_inputs, capture, warmup
-        self._inputs: dict[int, tuple] = {}
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self._inputs: dict[Hashable, tuple] = {}
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._pool = None
 
     @property
-    def captured(self) -> tuple[int, ...]:
+    def used(self) -> tuple:
+        """Buckets run so far (captured or not)."""
+        return tuple(self._inputs)
+
+    @property
+    def captured(self) -> tuple:
         return tuple(sorted(self._graphs))
 
-    def run(self, bucket: int, fill: Callable[[tuple], None]) -> tuple[torch.Tensor, ...]:
+    def run(self, bucket: Hashable, fill: Callable[[tuple], None]) -> tuple[torch.Tensor, ...]:
+        """`bucket`: any key of a shape (an int, or a tuple of sizes)."""
         inputs = self._inputs.get(bucket)
         if inputs is None:
             inputs = self._inputs[bucket] = self.make_inputs(bucket)

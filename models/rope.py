@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +35,7 @@ class Rotary:
         self.inv_freq = inv_frequencies(rope, rotary_dim)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None   # fp32 [P, rotary_dim]
         self._last: tuple | None = None   # (positions copy, dtype, cos, sin)
+        self._no_sync = False
 
     def _tables(self, max_pos: int, device: torch.device):
         """fp32 cos/sin for positions [0, P), P grown by doubling; each row is computed
@@ -56,6 +58,9 @@ class Rotary:
 
         Every layer of a step asks for the same positions, so the last lookup is kept and
         reused when the positions are equal (one comparison instead of the lookup)."""
+        if self._no_sync:
+            cos, sin = self._table
+            return cos[positions].to(dtype), sin[positions].to(dtype)
         last = self._last
         if last is not None and last[1] == dtype and last[0].shape == positions.shape \
                 and last[0].device == positions.device and torch.equal(last[0], positions):
@@ -64,6 +69,18 @@ class Rotary:
         cos, sin = cos[positions].to(dtype), sin[positions].to(dtype)
         self._last = (positions.clone(), dtype, cos, sin)
         return cos, sin
+
+    @contextmanager
+    def without_host_sync(self, max_pos: int, device: torch.device):
+        """Within: lookups that never wait for the device (CUDA graph capture): the tables
+        for positions [0, max_pos) are made on entry and indexed as they are, with no
+        comparison with the last lookup and no growth (positions must stay below max_pos)."""
+        self._tables(max_pos, device)
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [*, heads, D]; cos / signed sin [*, rotary_dim] from `cos_sin`.

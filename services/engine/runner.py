@@ -26,6 +26,7 @@ from kernels.sampling import History, SamplingParams, as_entries, sample, score_
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
+from services.engine import decode_graph
 from services.engine.kv_cache import CacheStorage
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.common.messages import PromptExport
@@ -138,6 +139,12 @@ class ModelRunner:
         self.cache = cache
         self.attn = get_backend(attention_backend, model.device)
         self.keep_hidden = frozenset(keep_hidden)   # layers whose output capturing chunks keep
+        # decode-only steps through CUDA graphs (SPLITSTACK_DECODE_GRAPHS=1, CUDA only)
+        self.decode_graphs = None
+        if decode_graph.enabled(model.device):
+            max_len = min(model.config.max_position_embeddings,
+                          cache.kv.shape[2] * cache.block_size)
+            self.decode_graphs = decode_graph.DecodeGraphs(self, max_len)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
         logits = self.run(out)
@@ -160,6 +167,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.applies(out):
+            return self.decode_graphs.run(out)
         st = prepare(out, self.cache.block_size, self.model.device, self.attn)
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
