@@ -2,9 +2,12 @@
 
 For each context length N: `n_docs` held-out documents (tokens N, tail T) give the losses;
 `n_items` items per task give retrieval, split into filled-region (needles before the tail)
-and tail items. Every arm sees the same documents and items; intervals are 95% percentile
-bootstraps (5,000 resamples within task) and arms are compared to `exact` by paired
-differences.
+and tail items. Tasks are the train family (`evals.tasks`, the formats calibration and
+distillation may use) and the held-out families (`evals.heldout`, formats nothing upstream
+sees). Loss documents come from the stdlib docstrings' eval split below 4K tokens and from
+the longer held-out texts (`evals.heldout.texts`) from 4K on (`loss_corpus`). Every arm
+sees the same documents and items; intervals are 95% percentile bootstraps (5,000
+resamples within task) and arms are compared to `exact` by paired differences.
 """
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ import torch
 
 from evals import arms as arms_mod
 from evals.corpus import SOURCE_NAME, documents, haystack_text
+from evals.heldout import texts as heldout_texts
+from evals.heldout.families import FAMILIES, make_family_items
 from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
                            paired_difference, token_losses)
 from evals.tasks import TASKS, make_items
 from services.prefill.lexicon import Lexicon
 
 MAX_ANSWER_TOKENS = 40      # generated per item (multi-value; the other tasks take 14)
+LOSS_CORPORA = ("auto", "stdlib", "long")
+LONG_FROM = 4096            # `auto`: loss documents this long come from the long texts
 
 
 @dataclass(frozen=True)
@@ -35,11 +42,20 @@ class EvalConfig:
     resamples: int = 5000
     seed: int = 0
     chat: bool = False          # wrap items in the model's chat template
+    families: tuple[str, ...] = ()      # held-out families (evals.heldout.families)
+    loss_corpus: str = "auto"   # stdlib docstrings, the long held-out texts, or by length
 
     def __post_init__(self):
         bad = set(self.tasks) - set(TASKS)
         if bad:
             raise ValueError(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
+        bad = set(self.families) - set(FAMILIES)
+        if bad:
+            raise ValueError(f"unknown held-out families {sorted(bad)}; choose from "
+                             f"{tuple(FAMILIES)}")
+        if self.loss_corpus not in LOSS_CORPORA:
+            raise ValueError(f"loss_corpus must be one of {LOSS_CORPORA}, got "
+                             f"{self.loss_corpus!r}")
         if any(n <= self.tail_len + 64 for n in self.lengths):
             raise ValueError(f"every length must exceed tail_len + 64 = {self.tail_len + 64}")
         if self.n_items < 0 or self.n_docs < 0:
@@ -56,12 +72,20 @@ class ArmResult:
         self.values.setdefault(metric, {}).setdefault(group, []).append(value)
 
 
-def doc_token_windows(tokenizer, n_docs: int, length: int) -> list[list[int]]:
+def loss_corpus_for(cfg: EvalConfig, length: int) -> str:
+    """Name of the corpus the loss documents of `length` tokens come from."""
+    long = cfg.loss_corpus == "long" or (cfg.loss_corpus == "auto" and length >= LONG_FROM)
+    return heldout_texts.SOURCE_NAME if long else SOURCE_NAME
+
+
+def doc_token_windows(tokenizer, n_docs: int, length: int,
+                      corpus: str = SOURCE_NAME) -> list[list[int]]:
     """`n_docs` windows of `length` tokens, one per held-out document long enough."""
     out = []
     if n_docs <= 0:
         return out
-    for doc in documents("eval"):
+    docs = documents("eval") if corpus == SOURCE_NAME else heldout_texts.long_documents()
+    for doc in docs:
         ids = tokenizer(doc.text, add_special_tokens=False)["input_ids"]
         if len(ids) >= length:
             out.append(ids[:length])
@@ -97,7 +121,8 @@ def evaluate_losses(arm, exact_arm, docs: list[list[int]], cfg: EvalConfig, resu
 def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: ArmResult,
                        length: int) -> None:
     for task, items in items_by_task.items():
-        max_tokens = MAX_ANSWER_TOKENS if task == "multivalue" else 14
+        max_tokens = (FAMILIES[task].answer_tokens if task in FAMILIES
+                      else MAX_ANSWER_TOKENS if task == "multivalue" else 14)
         outs = arm.complete([it.prompt_ids for it in items], max_tokens)
         for it, out in zip(items, outs):
             score = it.score(tokenizer.decode(out, skip_special_tokens=True))
@@ -130,14 +155,17 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
     arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
                 for name in arm_names}
     exact = arm_objs.get("exact") or arms_mod.make_arm("exact", model)
-    filler = tokenizer(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
+    filler = (tokenizer(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
+              if cfg.tasks else [])
     results = {name: ArmResult() for name in arm_names}
     timings: dict[str, float] = {}
     for length in cfg.lengths:
         exact.clear_cache()
-        docs = doc_token_windows(tokenizer, cfg.n_docs, length)
+        docs = doc_token_windows(tokenizer, cfg.n_docs, length, loss_corpus_for(cfg, length))
         items = {task: make_items(task, tokenizer, filler, length, cfg.n_items, cfg.seed,
                                   cfg.chat) for task in cfg.tasks}
+        items.update({f: make_family_items(f, tokenizer, length, cfg.n_items, cfg.seed)
+                      for f in cfg.families})
         for name, arm in arm_objs.items():
             start = time.perf_counter()
             evaluate_losses(arm, exact, docs, cfg, results[name], length)
@@ -153,6 +181,8 @@ PAIRED_METRICS = ("loss", "new_token_loss", "key_token_loss", "retrieval", "retr
 
 def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings) -> dict:
     summary = {"model": str(model_dir), "corpus": SOURCE_NAME, "config": cfg.__dict__,
+               "loss_corpus": {str(n): loss_corpus_for(cfg, n) for n in cfg.lengths},
+               "heldout_sources": heldout_texts.sources(),
                "timings_s": timings, "arms": {}, "paired_vs_exact": {}}
     summary["paired_vs_identity"], summary["paired_vs_zero-only"] = {}, {}
     summary[MATCHED], summary[SAME_ARM] = {}, {}
@@ -223,8 +253,41 @@ def overview_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def retrieval_table(summary: dict, metric: str = "retrieval") -> str:
+    """One row per task or family and arm, one column per length: mean [95% CI] (n)."""
+    cells: dict[tuple[str, str], dict[int, dict]] = {}
+    lengths: set[int] = set()
+    for name, metrics in summary["arms"].items():
+        for group, s in metrics.get(metric, {}).items():
+            task, _, length = group.rpartition("@")
+            if task:
+                cells.setdefault((name, task), {})[int(length)] = s
+                lengths.add(int(length))
+    if not cells:
+        return ""
+    cols = sorted(lengths)
+    lines = ["| arm | task | " + " | ".join(f"{n}" for n in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    tasks = list(dict.fromkeys(task for _, task in cells))
+    arms = list(summary["arms"])
+    for name, task in sorted(cells, key=lambda k: (tasks.index(k[1]), arms.index(k[0]))):
+        by_len, row = cells[(name, task)], []
+        for n in cols:
+            s = by_len.get(n)
+            row.append("–" if s is None else f"{100 * s['mean']:.0f}% [{100 * s['ci'][0]:.0f}, "
+                       f"{100 * s['ci'][1]:.0f}] ({s['n']})")
+        kind = "held-out" if task in FAMILIES else "train"
+        lines.append(f"| `{name}` | {task} ({kind}) | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def markdown_table(summary: dict) -> str:
     lines = ["## Overview\n", overview_table(summary), ""]
+    for metric, title in (("retrieval", "Retrieval"),
+                          ("retrieval_filled", "Filled-region retrieval")):
+        table = retrieval_table(summary, metric)
+        if table and (metric == "retrieval" or len(summary["arms"]) > 1):
+            lines += [f"## {title} by task and length (tokens)\n", table, ""]
     for name, metrics in summary["arms"].items():
         lines.append(f"### arm `{name}`\n")
         lines.append("| metric | group | mean | 95% CI | n |\n|---|---|---|---|---|")
@@ -248,6 +311,13 @@ def markdown_table(summary: dict) -> str:
             lines.append("")
     lines.append(f"corpus: {summary['corpus']} (held-out split); tail_len "
                  f"{summary['config']['tail_len']}")
+    loss = summary.get("loss_corpus", {})
+    if loss:
+        lines.append("\nloss documents: " + ", ".join(f"{n} tokens from {c}"
+                                                      for n, c in loss.items()))
+    if summary.get("config", {}).get("families"):
+        src = ", ".join(f"{k} {v} documents" for k, v in summary["heldout_sources"].items())
+        lines.append(f"\nheld-out families' essays: {heldout_texts.SOURCE_NAME} ({src})")
     return "\n".join(lines)
 
 

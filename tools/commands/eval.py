@@ -17,7 +17,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", required=True)
     ev.add_argument("--arms", default="exact", help="comma-separated registered arms")
     ev.add_argument("--lengths", type=int_list, default="1024,2048")
-    ev.add_argument("--tasks", default="single,multikey,multivalue,word")
+    ev.add_argument("--tasks", default="single,multikey,multivalue,word",
+                    help="train-family tasks (evals.tasks; '' for none)")
+    ev.add_argument("--families", default="",
+                    help="held-out families (evals.heldout.families): passkey, niah_single_1, "
+                         "niah_single_2, niah_single_3, paragraph, chat; 'all' for every one")
+    ev.add_argument("--loss-corpus", choices=("auto", "stdlib", "long"), default="auto",
+                    help="loss documents: stdlib docstrings, the long held-out texts "
+                         "(licences, Python reference), or auto (long from 4096 tokens)")
     ev.add_argument("--n-items", type=int, default=10, help="items per task and length")
     ev.add_argument("--n-docs", type=int, default=6, help="loss documents per length")
     ev.add_argument("--tail-len", type=int, default=256)
@@ -34,15 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     return ev
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def run(argv: list[str]) -> int:
+    from evals.heldout.families import FAMILIES
     from evals.run import EvalConfig, run_eval, write_outputs
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = EvalConfig(lengths=args.lengths,
-                     tasks=tuple(args.tasks.split(",")), n_items=args.n_items,
+    families = tuple(FAMILIES) if args.families == "all" else _names(args.families)
+    cfg = EvalConfig(lengths=args.lengths, tasks=_names(args.tasks), n_items=args.n_items,
                      n_docs=args.n_docs, tail_len=args.tail_len, seed=args.seed,
-                     chat=args.chat)
+                     chat=args.chat, families=families, loss_corpus=args.loss_corpus)
     start = time.perf_counter()
     options = {k: v for k, v in (("maps_dir", args.maps), ("split", args.split),
                                  ("budget", args.budget), ("lexical", args.lexical))
