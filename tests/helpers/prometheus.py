@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import shutil
 import socket
@@ -181,8 +182,10 @@ def substitute(expr: str, variables: dict[str, str]) -> str:
 
 
 def empty_panels(prom: Prometheus, queries: list[PanelQuery],
-                 variables: dict[str, dict[str, str]]) -> list[str]:
-    """The queries (dashboard, panel, PromQL as sent) that return nothing or fail."""
+                 variables: dict[str, dict[str, str]], numbers: bool = False) -> list[str]:
+    """The queries (dashboard, panel, PromQL as sent) that fail or return nothing; with
+    `numbers`, also those whose every value is NaN (a quantile of a histogram that observed
+    nothing in the window: Grafana draws no line)."""
     bad = []
     for q in queries:
         expr = substitute(q.expr, variables[q.dashboard])
@@ -193,4 +196,6 @@ def empty_panels(prom: Prometheus, queries: list[PanelQuery],
             continue
         if not result:
             bad.append(f"{q.dashboard} / {q.panel}: no data for {expr}")
+        elif numbers and all(math.isnan(float(r["value"][1])) for r in result):
+            bad.append(f"{q.dashboard} / {q.panel}: only NaN for {expr}")
     return bad
