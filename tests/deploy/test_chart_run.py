@@ -1,0 +1,84 @@
+"""The rendered chart run without Kubernetes: `helm template` of values-cpu.yaml, each pod
+started by `tests.deploy.kubelet` as local processes in namespaces of their own (Redis, the
+Ray head, each worker group's replicas, the gateway), with the command, args, env (the
+Secret's values included), ports and replica counts as rendered. This catches the usual
+chart defects: a command, flag, port, env var or probe path that does not match the
+program. The scenario is `tests.deploy.chart_run`."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.deploy.chart import RELEASE, ROOT, find, render
+
+API_KEY = "sk-chart-run"
+
+
+def model_volume(tmp_path) -> tuple[str, ...]:
+    """The zoo's checkpoint as a hostPath (no per-pod import: ~20 s each), in a copy the
+    pods' user may read, as a volume the operator provides must be."""
+    models = tmp_path / "models"
+    shutil.copytree(ROOT / "models" / "zoo" / "smollm2-135m", models / "smollm2-135m")
+    for path in [models, *models.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return ("model.source=hostPath", f"model.hostPath={models}", "model.mountPath=/mnt/models",
+            "model.path=/mnt/models/smollm2-135m")
+
+
+@pytest.mark.slow
+def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_stops(tmp_path):
+    # the key as a Secret, and a drain short enough for a test
+    sets = (*model_volume(tmp_path), f"apiKey.value={API_KEY}", "serve.drainTimeoutSeconds=10",
+            "ray.terminationGracePeriodSeconds=20")
+    initial = render("values-cpu.yaml", *sets)
+    scaled = render("values-cpu.yaml", *sets, "pools.mlp.replicas=3")
+    service = find(initial, "Service", "-gateway")
+    port = service["spec"]["ports"][0]["port"]
+    gateway = find(initial, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert gateway["containers"][0]["ports"][0]["containerPort"] == port   # no Service NAT here
+    plan = {"initial": list(initial), "scaled": list(scaled), "api_key": API_KEY,
+            "url": f"http://{service['metadata']['name']}:{port}", "model": "smollm2-135m",
+            "workdir": str(tmp_path)}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = subprocess.run(
+        ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
+         "--propagation", "private", sys.executable, "-m", "tests.deploy.chart_run",
+         str(tmp_path / "plan.json"), str(tmp_path / "out.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert "error" not in out, out["error"] + "\n" + json.dumps(out.get("logs"), indent=1)
+
+    # every pod of the chart ran: Redis, the Ray head, one pod per worker replica, the gateway
+    owners = sorted(out["pods"].values())
+    assert owners == sorted([f"Deployment/{RELEASE}-splitstack-gateway",
+                             f"RayCluster/{RELEASE}-splitstack/attention",
+                             f"RayCluster/{RELEASE}-splitstack/head",
+                             f"RayCluster/{RELEASE}-splitstack/mlp",
+                             f"StatefulSet/{RELEASE}-splitstack-redis"])
+    # an OpenAI request through the gateway Service, with the key from the Secret
+    assert out["chat"]["status"] == 200, out["chat"]
+    assert out["chat"]["body"]["choices"][0]["message"]["content"]
+    assert out["chat_without_key"] == 401
+
+    # re-rendered with 3 MLP replicas: two more worker pods, the hook's `splitstack scale`,
+    # 3 members in service on 3 different pods, and no failed request under the load
+    assert sorted(out["scaled_pods"].values()) == [f"RayCluster/{RELEASE}-splitstack/mlp"] * 2
+    (hook,) = out["hooks"]
+    assert hook["exit_codes"] == [0], hook["log"]
+    mlp = out["pools_scaled"]["mlp"]
+    assert [m["state"] for m in mlp] == ["ready"] * 3
+    assert out["in_service"] and all(m["load"]["stage_calls"] > 0 for m in mlp), mlp
+    mlp_pod_ips = {ip for name, ip in out["pod_ips"].items() if "-mlp-" in name}
+    assert {m["address"].rsplit(":", 1)[0] for m in mlp} == mlp_pod_ips
+    assert out["load_scale"]["failed"] == 0 and out["load_scale"]["ok"] > 0, out["load_scale"]
+
+    # a worker pod stopped as the kubelet does (preStop drain, SIGTERM, SIGKILL after the
+    # grace period): its member drained, no request lost, and the pool back at 3
+    assert out["stop"]["ray-worker_prestop_rc"] == 0, out["stop"]
+    assert out["load_stop"]["failed"] == 0 and out["load_stop"]["ok"] > 0, out["load_stop"]
+    assert out["replaced"], out["pools_replaced"]
