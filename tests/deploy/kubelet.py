@@ -5,7 +5,8 @@ rendered manifests (Deployments and StatefulSets at their replica counts, the Ra
 head and each worker group's replicas as KubeRay builds them, post-upgrade hook Jobs) with
 its own network namespace and IP on a bridge, each container in its own mount and PID
 namespace (PID 1 is the container's command, as in a container), its volumes mounted at
-their paths, as the pod's user, with the command, args and environment exactly as rendered
+their paths and the rest of the filesystem read-only where the container asks for it, as the
+pod's user, with the command, args and environment exactly as rendered
 (ConfigMap and Secret references resolved, `$(VAR)` expanded). Service names resolve to
 their pod's IP through the /etc/hosts of the private mount namespace the caller made
 (`unshare --net --mount --pid`). Probes are polled as declared; stopping a pod runs its
@@ -273,6 +274,8 @@ class Cluster:
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
         user = {**pod.spec.get("securityContext", {}), **container.get("securityContext", {})}
+        if user.get("readOnlyRootFilesystem"):      # only the volumes stay writable
+            script.append("mount -o remount,bind,ro /")
         uid, gid = user.get("runAsUser", 0), user.get("runAsGroup", user.get("runAsUser", 0))
         assert not (user.get("runAsNonRoot") and uid == 0), f"{pod.name}: runAsNonRoot as root"
         script.append(f"cd {shlex.quote(container.get('workingDir', '/tmp'))}")
