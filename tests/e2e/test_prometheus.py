@@ -1,6 +1,6 @@
 """Issue 28 (items 1, 4): a real Prometheus scraping both deployments while they serve.
 
-SmolLM2 served embedded (its hybrid derivative) and on Ray (1 attention service, 1 MLP
+SmolLM2 served embedded (its hybrid derivative, by `splitstack serve`) and on Ray (1 attention service, 1 MLP
 pool replica, 1 prefill replica), each with the prefix cache (memory and Redis), RidgeFill
 maps and rate limits on, and one Prometheus (Debian's, from `make setup`) scraping both
 gateways every second with the committed scrape config and rules. A short bounded load (chat streams, shared-prefix prompts, RidgeFill
@@ -24,10 +24,11 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.soak import ServeProcess
 from services.common.tokenizer import load_tokenizer
 from services.deployment.build import EngineOptions
 from services.deployment.ray_cluster import ClusterConfig
-from services.deployment.server import build_cluster, build_embedded
+from services.deployment.server import build_cluster
 from services.gateway.ratelimit import RateLimits
 from services.prefill.service import PrefillConfig
 from tests.helpers.gateway import MODEL, ZOO, running
@@ -44,7 +45,7 @@ DOCUMENT = "".join(f"Entry {i}: the {c} {a} sleeps in cabin {200 + 9 * i}.\n"
 RIDGEFILL = PrefillConfig(split=15, tail=32)
 REDIS_DB = 6            # this module's own database
 HYBRID = ZOO.parent / "smollm2-hybrid"
-RATE_LIMITS = RateLimits(requests_per_minute=100_000, prefix="splitstack-test:prometheus")
+RATE_LIMITS = RateLimits(requests_per_minute=100_000)
 
 
 def calibrated(model_dir: Path, out: Path) -> str:
@@ -79,13 +80,17 @@ def options(maps: str, redis_url: str) -> EngineOptions:
 
 @pytest.fixture(scope="module")
 def embedded(redis_url, tmp_path_factory):
-    """The hybrid checkpoint (Gated DeltaNet layers): its prefix-cache hits run Tail-Replay,
-    so the replay-time panels have data too."""
-    maps = calibrated(HYBRID, tmp_path_factory.mktemp("maps-hybrid"))
-    app = build_embedded(HYBRID, served_name=MODEL, options=options(maps, redis_url),
-                         rate_limits=RATE_LIMITS)
-    with running(app) as base:
-        yield base
+    """`splitstack serve` in a subprocess with the hybrid checkpoint (Gated DeltaNet layers):
+    its prefix-cache hits run Tail-Replay, so the replay-time panels have data too."""
+    workdir = tmp_path_factory.mktemp("serve")
+    maps = calibrated(HYBRID, workdir / "maps")
+    flags = ["--model", str(HYBRID), "--served-model-name", MODEL, "--max-num-seqs", "4",
+             "--prefix-cache", "--prefix-cache-bytes", str(64 << 20), "--redis-url", redis_url,
+             "--maps", maps, "--split", str(RIDGEFILL.split), "--tail", str(RIDGEFILL.tail),
+             "--rate-limit-rpm", str(RATE_LIMITS.requests_per_minute),
+             "--rate-limit-redis", RATE_LIMITS.redis_url]
+    with ServeProcess(flags, workdir / "serve.log") as proc:
+        yield proc.base
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +147,8 @@ def prometheus(embedded, on_ray, tmp_path_factory):
     targets = {"embedded": embedded, "ray": on_ray}
     with running_prometheus({job: base.removeprefix("http://") for job, base in targets.items()},
                             tmp_path_factory.mktemp("prometheus")) as prom:
+        # scraped before the load, so that rates see every count it adds
+        prom.wait_for("count(up == 1)", lambda r: r and float(r[0]["value"][1]) == 2)
         for job, base in targets.items():
             n = load(base)
             prom.wait_for(f'sum(splitstack_requests_finished_total{{job="{job}"}})',

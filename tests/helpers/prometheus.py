@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 GRAFANA_DIR = ROOT / "deploy" / "grafana"
 
-# Grafana's built-in interval variables, as a dashboard over the last few minutes of a
-# 1 s scrape would resolve them (rate windows hold several scrapes)
-BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__interval_ms": "15000",
-            "__range": "5m", "__range_s": "300", "__range_ms": "300000", "__auto": "15s"}
+# Grafana's built-in interval variables, as a dashboard over the last hours would resolve
+# them: rate windows that hold the whole of a short test's load, however slow the machine
+BUILTINS = {"__rate_interval": "5m", "__interval": "1m", "__interval_ms": "60000",
+            "__range": "1h", "__range_s": "3600", "__range_ms": "3600000", "__auto": "1m"}
 VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
 
 
