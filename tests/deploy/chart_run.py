@@ -35,7 +35,10 @@ class Load:
                          for _ in range(concurrency)]
 
     def _client(self) -> None:
-        with httpx.Client(timeout=60) as client:
+        # a connection per request: on this loaded machine a client thread can be scheduled
+        # again past the server's keep-alive (5 s) and send on a connection the server is
+        # closing, a disconnect before the request was read (OpenAI's client retries those)
+        with httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
             while not self._stop.is_set():
                 try:
                     r = client.post(f"{self.url}/v1/completions", headers=self.headers,
