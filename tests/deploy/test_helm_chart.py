@@ -318,3 +318,13 @@ def test_worker_pods_drain_their_members_before_they_stop(value_set):
             assert re.match(pattern, f"ray::{member.__name__}"), member
         assert re.search(rf"while pgrep -f '{re.escape(pattern)}'", line)
         assert spec["terminationGracePeriodSeconds"] > drain
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_install_notes_name_the_gateway_service(value_set):
+    out = helm("install", RELEASE, str(CHART), *value_args(value_set), "--dry-run=client")
+    assert out.returncode == 0, out.stderr
+    notes = out.stdout.split("NOTES:", 1)[1]
+    service = find(render(value_set), "Service", "-gateway")["metadata"]["name"]
+    assert f"port-forward svc/{service} " in notes
+    assert f"rollout status deploy/{service} " in notes
