@@ -328,3 +328,11 @@ def test_install_notes_name_the_gateway_service(value_set):
     service = find(render(value_set), "Service", "-gateway")["metadata"]["name"]
     assert f"port-forward svc/{service} " in notes
     assert f"rollout status deploy/{service} " in notes
+
+
+def test_the_servicemonitor_keeps_the_members_service_label():
+    """The gateway re-exports each member's series with a `service` label; without
+    honorLabels Prometheus renames it `exported_service` and the per-replica panels merge."""
+    (endpoint,) = find(render("values.yaml"), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
+    crd_validator("ServiceMonitor").validate(find(render("values.yaml"), "ServiceMonitor"))
