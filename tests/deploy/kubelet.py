@@ -267,12 +267,20 @@ class Cluster:
         # a mount over an ancestor of the volumes' own directories (/tmp) goes last
         mounts = sorted(container.get("volumeMounts", []),
                         key=lambda m: self.workdir.is_relative_to(m["mountPath"]))
+        # a checkout under a mounted path (a clone in /tmp, and an emptyDir on /tmp) stays
+        # reachable: stashed in the cluster's private /mnt first, put back after the mounts
+        repo = shlex.quote(str(REPO))
+        covered = any(REPO.is_relative_to(m["mountPath"]) for m in mounts)
+        if covered:
+            script.append(f"mkdir -p /mnt/.repo && mount --bind {repo} /mnt/.repo")
         for m in mounts:
             script.append(f"mkdir -p {shlex.quote(m['mountPath'])}")
             script.append(f"mount --bind {shlex.quote(str(dirs[m['name']]))} "
                           f"{shlex.quote(m['mountPath'])}")
             if m.get("readOnly"):
                 script.append(f"mount -o remount,bind,ro {shlex.quote(m['mountPath'])}")
+        if covered:
+            script.append(f"mkdir -p {repo} && mount --bind /mnt/.repo {repo}")
         user = {**pod.spec.get("securityContext", {}), **container.get("securityContext", {})}
         if user.get("readOnlyRootFilesystem"):      # only the volumes stay writable
             script.append("mount -o remount,bind,ro /")
