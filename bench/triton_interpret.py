@@ -19,29 +19,9 @@ os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from kernels.gated_delta import naive, triton_chunked  # noqa: E402
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-12)).item()
-
-
-def inputs(t, hk=2, hv=4, dk=32, dv=32, b=2, seed=0, dtype=torch.float32, init=True):
-    g = torch.Generator().manual_seed(seed)
-    q, k = (torch.randn(b, t, hk, dk, generator=g) for _ in range(2))
-    v = torch.randn(b, t, hv, dv, generator=g)
-    decay = -F.softplus(torch.randn(b, t, hv, generator=g)) * 0.5
-    beta = torch.rand(b, t, hv, generator=g)
-    s0 = torch.randn(b, hv, dk, dv, generator=g) * 0.1 if init else None
-    return [x.to(dtype) for x in (q, k, v)] + [decay, beta.to(dtype), s0]
-
-
-def oracle(q, k, v, g, beta, s0):
-    r = v.shape[2] // k.shape[2]
-    q, k = (x.float().repeat_interleave(r, dim=2) for x in (q, k))
-    return naive.recurrent_gated_delta_rule(q, k, v.float(), g, beta.float(), s0)
+from kernels.gated_delta import triton_chunked  # noqa: E402
+from tests.helpers.gated_delta import inputs, oracle, rel  # noqa: E402
 
 
 def main() -> int:

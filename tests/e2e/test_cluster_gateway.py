@@ -6,7 +6,6 @@ The tests run in order: the last one kills an attention service.
 """
 from __future__ import annotations
 
-import json
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.server import build_cluster
-from tests.helpers.gateway import ZOO, running
+from tests.helpers.gateway import ZOO, migrations, running, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -52,30 +51,11 @@ def cluster(ray_session):
     cluster.shutdown()
 
 
-def stream_text(base: str, ids: list[int], started: threading.Event | None = None):
-    """Raw SSE completion: (text, error message or None)."""
-    body = {"model": "smollm2-135m", "prompt": ids, "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    text = ""
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                return text, event["error"]["message"]
-            text += event["choices"][0]["text"]
-            if started is not None and text:
-                started.set()
-    return text, None
-
-
 def concurrently(base, on_started=None):
     """Four streaming requests at once; `on_started` runs once each has its first token."""
     starts = [threading.Event() for _ in prompt_ids()]
     with ThreadPoolExecutor(4) as ex:
-        futures = [ex.submit(stream_text, base, ids, ev) for ids, ev in zip(prompt_ids(), starts)]
+        futures = [ex.submit(stream_completion, base, ids, MAX_TOKENS, ev) for ids, ev in zip(prompt_ids(), starts)]
         if on_started is not None:
             for ev in starts:
                 assert ev.wait(120)
@@ -347,22 +327,16 @@ def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_
     assert_no_leaks(ray_session, handles, alive=[0, 1])
 
 
-def migrations(base: str) -> float:
-    text = httpx.get(base + "/metrics").text
-    found = re.search(r'^splitstack_migrations_total\{reason="failure"\} ([\d.]+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def test_killed_attention_service_migrates_its_requests(cluster, reference, ray_session):
     """kill -9 of an attention actor mid-stream: the gateway re-sends each request it owned,
     with the tokens already streamed, to the live service, and every stream completes with
     the exact engine's output; the client sees no error event."""
     base, handles = cluster
-    before = migrations(base)
+    before = migrations(base, "failure")
     results = concurrently(base, on_started=lambda: ray_session.kill(handles.attention[0]))
     assert all(err is None for _, err in results), results
     assert [text for text, _ in results] == reference
-    assert migrations(base) - before >= 1      # the dead service owned some of them
+    assert migrations(base, "failure") - before >= 1      # the dead service owned some of them
     assert "splitstack_migration_pause_seconds_count" in httpx.get(base + "/metrics").text
     assert_no_leaks(ray_session, handles, alive=[1])
     again = concurrently(base)             # routed around the dead service

@@ -6,7 +6,6 @@ autoscaler, with no failed request, every output the exact engine's, every KV bl
 and `GET /admin/pools` showing the members' states."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,7 +24,7 @@ from services.deployment.autoscale import Autoscaler, Policy
 from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.server import build_cluster
 from services.engine import GenerationParams, LLMEngine
-from tests.helpers.gateway import ZOO, running
+from tests.helpers.gateway import ZOO, migrations, running, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -53,31 +52,6 @@ def long_reference():
     seqs = LLMEngine(load_model(ZOO)).generate(
         prompt_ids()[:3], GenerationParams(max_tokens=LONG_TOKENS, ignore_eos=True))
     return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
-
-
-def stream_completion(base: str, prompt: list[int], max_tokens: int,
-                      started: threading.Event | None = None) -> tuple[str, str | None]:
-    """One greedy streamed completion: (text, error message or None); `started` is set at
-    its first text."""
-    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    text, error = "", None
-    try:
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-            if r.status_code != 200:
-                return "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    return text, event["error"]["message"]
-                text += event["choices"][0]["text"]
-                if started is not None and text:
-                    started.set()
-    except httpx.HTTPError as err:
-        error = f"{type(err).__name__}: {err}"
-    return text, error
 
 
 @pytest.fixture(scope="module")
@@ -205,12 +179,6 @@ def test_mlp_and_prefill_pools_resize_under_load(cluster, reference, ray_session
     while pool(base, "mlp")["members"][0]["load"].get("clients") != 1:
         assert time.monotonic() < until, pool(base, "mlp")
         time.sleep(0.2)
-
-
-def migrations(base: str, reason: str) -> float:
-    found = re.search(rf'^splitstack_migrations_total\{{reason="{reason}"\}} ([\d.]+)$',
-                      httpx.get(base + "/metrics", timeout=30).text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 def test_attention_pool_resizes_under_load(cluster, reference, long_reference, ray_session):

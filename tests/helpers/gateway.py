@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import socket
 import threading
 import time
@@ -53,3 +55,36 @@ def wait_idle(gateway, timeout=20.0):
             return eng
         time.sleep(0.05)
     raise AssertionError("engine still busy")
+
+
+def stream_completion(base: str, prompt: list[int], max_tokens: int,
+                      started: threading.Event | None = None) -> tuple[str, str | None]:
+    """One greedy streamed completion through raw SSE: (text, error message or None; a
+    non-200 answer, an error event or a broken connection). `started` is set at its
+    first text."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text = ""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            if r.status_code != 200:
+                return "", f"HTTP {r.status_code}: {r.read()[:200]!r}"
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return text, event["error"]["message"]
+                text += event["choices"][0]["text"]
+                if started is not None and text:
+                    started.set()
+    except httpx.HTTPError as err:
+        return text, f"{type(err).__name__}: {err}"
+    return text, None
+
+
+def migrations(base: str, reason: str) -> float:
+    """`splitstack_migrations_total{reason}` as the gateway's /metrics shows it now."""
+    found = re.search(rf'^splitstack_migrations_total\{{reason="{reason}"\}} ([\d.]+)$',
+                      httpx.get(base + "/metrics", timeout=30).text, re.M)
+    return float(found.group(1)) if found else 0.0
