@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image test test-fast bench run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image test test-fast bench bench-peers run clean
 
 ## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
 setup: $(STAMP) proto models tools grafana-schema prometheus
@@ -124,6 +124,31 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/engine_vs_hf.py
+
+## bench-peers: the engines bench/peers.py compares against, in .peers/ (ignored): llama.cpp
+## from llama-cpp-python's PyPI sdist (compiled for this CPU, ~15 min on 2 cores) with its
+## server, and F32 / BF16 GGUFs of models/zoo/smollm2-135m made by the sdist's own converter
+PEERS      := .peers
+LLAMA_CPP  := llama-cpp-python==0.3.36
+PEER_GGUF  := $(PEERS)/smollm2-135m-f32.gguf $(PEERS)/smollm2-135m-bf16.gguf
+
+bench-peers: $(PEERS)/.installed $(PEER_GGUF)
+
+$(PEERS)/.installed:
+	rm -rf $(PEERS)/venv $(PEERS)/src && mkdir -p $(PEERS)/sdist $(PEERS)/src
+	$(PYTHON) -m venv $(PEERS)/venv
+	$(PEERS)/venv/bin/pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/venv/bin/pip install -q --no-binary llama-cpp-python \
+		'$(LLAMA_CPP)' 'llama-cpp-python[server]'
+	$(PEERS)/venv/bin/pip download -q --no-deps --no-binary :all: '$(LLAMA_CPP)' -d $(PEERS)/sdist
+	tar xzf $(PEERS)/sdist/llama_cpp_python-*.tar.gz -C $(PEERS)/src --strip-components=1
+	# what the converter imports beyond this project's venv, kept out of it
+	$(PY) -m pip install -q --target $(PEERS)/pylib sentencepiece
+	touch $@
+
+$(PEERS)/smollm2-135m-%.gguf: $(PEERS)/.installed $(SMOLLM)
+	PYTHONPATH=$(PEERS)/src/vendor/llama.cpp/gguf-py:$(PEERS)/pylib $(PY) $(PEERS)/src/vendor/llama.cpp/convert_hf_to_gguf.py \
+		$(ZOO)/smollm2-135m --outtype $* --outfile $@
 
 ## run: serve the embedded default model on http://127.0.0.1:8000/v1 (OpenAI API)
 run: setup

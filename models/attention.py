@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.layers import Linear, RMSNorm
+from models.layers import Fused, Linear, RMSNorm, fuse_linears, project, still_fused
 
 
 class FullAttention(nn.Module):
@@ -30,11 +30,28 @@ class FullAttention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.zero_centered_norm)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: Fused | None = None
+
+    def fuse(self) -> None:
+        """Store q, k and v as row blocks of one matrix (`layers.fuse_linears`): `project`
+        then runs one product for all three, and `key_value` one for k and v."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
+        """`query` and `key_value` of the same xn -> (q, gate, k, v), one product when fused."""
+        fused = still_fused(self.qkv, self.q_proj, self.k_proj, self.v_proj)
+        if fused is None:
+            q, gate = self.query(xn, cos, sin, rotary)
+            return (q, gate, *self.key_value(xn, cos, sin, rotary))
+        q, k, v = project(xn, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+        return (*self._query(q, cos, sin, rotary), *self._key_value(k, v, cos, sin, rotary))
 
     def query(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
         """xn [*, h] (already normed) -> q [*, H, D] (normed, rotated), gate [*, H·D] or None."""
-        lead = xn.shape[:-1]
-        q = self.q_proj(xn)
+        return self._query(self.q_proj(xn), cos, sin, rotary)
+
+    def _query(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
+        lead = q.shape[:-1]
         gate = None
         if self.output_gate:
             qg = q.view(*lead, self.num_heads, 2 * self.head_dim)
@@ -47,9 +64,17 @@ class FullAttention(nn.Module):
 
     def key_value(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary):
         """xn [*, h] -> k, v [*, KV, D]; k is normed and rotated, as stored in the KV cache."""
-        lead = xn.shape[:-1]
-        k = self.k_proj(xn).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(xn).view(*lead, self.num_kv_heads, self.head_dim)
+        fused = still_fused(self.qkv, self.q_proj, self.k_proj, self.v_proj)
+        if fused is None:
+            return self._key_value(self.k_proj(xn), self.v_proj(xn), cos, sin, rotary)
+        k, v = project(xn, *fused.rest).split(fused.sizes[1:], dim=-1)
+        return self._key_value(k, v, cos, sin, rotary)
+
+    def _key_value(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   rotary):
+        lead = k.shape[:-1]
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.k_norm is not None:
             k = self.k_norm(k)
         return rotary.apply(k, cos, sin), v

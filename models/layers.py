@@ -1,6 +1,8 @@
 """Norms and feed-forward blocks shared by every family."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,42 +12,76 @@ PACK_MIN_ELEMENTS = 2 << 20   # fp32 weights of 8 MB and up: one-row products ru
 _MKL = torch.backends.mkl.is_available()
 
 
+def _bf16_packing() -> bool:
+    """Whether oneDNN takes bf16 linears here (a CPU with AVX512-BF16 / AMX, or its emulation
+    on AVX512): then bf16 products run on a weight packed in oneDNN's blocked layout."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN_BF16 = _bf16_packing()
+
+
+def _cached(weight: torch.Tensor, attr: str, pack) -> torch.Tensor:
+    """`pack(weight)`, built on first use and kept on the weight. It is rebuilt when the
+    weight changes in place (`_version`), so training code that edits weights between calls
+    never reads a stale copy (inference tensors have no version counter: one edited in place
+    under `torch.inference_mode` is not seen). The copy costs the weight's size once."""
+    version = -1 if weight.is_inference() else weight._version
+    cached = getattr(weight, attr, None)
+    if cached is None or cached[0] != version:
+        with torch.no_grad():
+            cached = (version, pack(weight))
+        setattr(weight, attr, cached)
+    return cached[1]
+
+
 def _packed_single_row(weight: torch.Tensor) -> torch.Tensor:
-    """MKL's packed copy of an fp32 `weight` for one-row products, built on first use.
+    """MKL's packed copy of an fp32 `weight` for one-row products.
 
     A one-row `x @ Wᵀ` against an LM head that does not fit in cache runs as a single-core
     GEMV, about half memory bandwidth; the packed product streams it on every core (1.9x on
-    a 67 MB head, 2 cores; bench/linear_products.py). The copy costs the weight's size once.
-    It is rebuilt when the weight changes in place (`_version`), so training code that edits
-    weights between calls never reads a stale copy (inference tensors have no version
-    counter: one edited in place under `torch.inference_mode` is not seen).
-    """
-    version = -1 if weight.is_inference() else weight._version
-    cached = getattr(weight, "_splitstack_packed", None)
-    if cached is None or cached[0] != version:
-        with torch.no_grad():
-            cached = (version, torch.ops.mkl._mkl_reorder_linear_weight(weight, 1))
-        weight._splitstack_packed = cached
-    return cached[1]
+    a 67 MB head, 2 cores; bench/linear_products.py)."""
+    return _cached(weight, "_splitstack_packed",
+                   lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, 1))
+
+
+def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of a bf16 `weight`: every row count runs faster on it than on
+    the plain layout (1.5-2x for 1-16 rows, 1.1-1.3x for a 512-row prompt; exact, the same
+    sums; bench/linear_products.py)."""
+    return _cached(weight, "_splitstack_onednn",
+                   lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
 
 def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             few_rows: int = 64) -> torch.Tensor:
-    """`x @ weightᵀ (+ bias)`, choosing the CPU product by row count (`Linear`, tied heads).
+    """`x @ weightᵀ (+ bias)`, choosing the CPU product by dtype and row count (`Linear`,
+    tied heads).
 
-    With MKL on CPU, `x @ Wᵀ` for a handful of rows runs well below memory bandwidth, while
-    the same product as `W @ xᵀ` streams W row-major: 1.6-3x faster at 8 rows (measured per
-    shape by bench/linear_products.py). One row (a batch-1 decode step) is a GEMV: plain
-    `F.linear`, or the packed product for an fp32 weight bigger than the caches (the LM
-    head). Larger batches and other devices keep F.linear. This runs for every projection
-    of a decode step, so the checks are ordered cheapest first.
+    bf16 (the CPU serving dtype): oneDNN's product on a packed copy of the weight, any row
+    count. fp32 with MKL: for a handful of rows `x @ Wᵀ` runs well below memory bandwidth,
+    while the same product as `W @ xᵀ` streams W row-major: 1.6-3x faster at 8 rows
+    (measured per shape by bench/linear_products.py). One row (a batch-1 decode step) is a
+    GEMV: plain `F.linear`, or the packed product for an fp32 weight bigger than the caches
+    (the LM head). Larger batches, other devices and recorded gradients keep F.linear. This
+    runs for every projection of a decode step, so the checks are ordered cheapest first.
     """
-    if not x.is_cpu:
+    if not x.is_cpu or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
+    if weight.dtype == torch.bfloat16:
+        if not _ONEDNN_BF16 or x.dtype != torch.bfloat16 or x.numel() == 0:
+            return F.linear(x, weight, bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(),
+                                               _packed_bf16(weight),
+                                               bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], -1)
     rows = x.numel() // x.shape[-1]
     if rows == 1:
-        if weight.numel() < PACK_MIN_ELEMENTS or not _MKL or weight.dtype != torch.float32 \
-                or (weight.requires_grad and torch.is_grad_enabled()):
+        if weight.numel() < PACK_MIN_ELEMENTS or not _MKL or weight.dtype != torch.float32:
             return F.linear(x, weight, bias)
         y = torch.ops.mkl._mkl_linear(x.reshape(1, -1).contiguous(), _packed_single_row(weight),
                                       weight, bias, 1)
@@ -56,6 +92,51 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], -1)
+
+
+class Fused(NamedTuple):
+    """Several projections of one input stored as row blocks of one matrix."""
+    weight: torch.Tensor          # [sum of out features, in]
+    bias: torch.Tensor | None
+    sizes: tuple[int, ...]        # out features of each projection, in order
+    rest: tuple[torch.Tensor, torch.Tensor | None]   # the rows after the first projection's
+                                  # (k and v of q/k/v), one stable view: packed copies stick
+    params: tuple[nn.Parameter, ...]   # each module's weight, as made here
+
+
+def fuse_linears(*mods: nn.Linear) -> Fused:
+    """Concatenate the weights (and biases) of `mods` into one matrix and make each module's
+    weight a view of its rows, so one product serves them all and the modules keep working
+    (and loading, and training) on their own."""
+    weight = torch.cat([m.weight.detach() for m in mods])
+    has_bias = all(m.bias is not None for m in mods)
+    bias = torch.cat([m.bias.detach() for m in mods]) if has_bias else None
+    row = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + n], requires_grad=m.weight.requires_grad)
+        if has_bias:
+            m.bias = nn.Parameter(bias[row:row + n], requires_grad=m.bias.requires_grad)
+        row += n
+    first = mods[0].weight.shape[0]
+    rest = (weight[first:], None if bias is None else bias[first:])
+    return Fused(weight, bias, tuple(m.weight.shape[0] for m in mods), rest,
+                 tuple(m.weight for m in mods))
+
+
+def still_fused(fused: Fused | None, *mods: nn.Module) -> Fused | None:
+    """`fused` while every module's weight is still its view (no module swapped for another,
+    no dtype or device change since) and no gradient is being recorded; else None, and the
+    caller runs the modules one by one."""
+    if fused is None or torch.is_grad_enabled():
+        return None
+    for m, p in zip(mods, fused.params):
+        if m is None or m._parameters.get("weight") is not p:   # swapped, dropped or copied
+            return None
+    first = fused.params[0]       # `.to()` / `.cuda()` move every parameter's data
+    if first.data_ptr() != fused.weight.data_ptr() or first.dtype != fused.weight.dtype:
+        return None
+    return fused
 
 
 class Linear(nn.Linear):
@@ -83,9 +164,8 @@ class RMSNorm(nn.Module):
                               self.eps).to(x.dtype)
         if x.dtype == torch.float32:     # the fused kernel; same math as the cast path below
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        # x · rsqrt(mean(x²) + eps) in fp32 (the fused kernel, unweighted), cast, then · w
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], None, self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -103,16 +183,24 @@ class GatedRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); after `fuse()`, gate and up run as one product."""
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up: Fused | None = None
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = still_fused(self.gate_up, self.gate_proj, self.up_proj)
+        if fused is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, fused.weight, fused.bias).split(fused.sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SparseMoE(nn.Module):

@@ -85,4 +85,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                               f"unexpected tensors {sorted(unexpected)[:8]}")
     model.load_state_dict(state, assign=True, strict=True)
     model.rotary.inv_freq = model.rotary.inv_freq.to(device)
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(device).eval().requires_grad_(False).fuse_projections()

@@ -3,10 +3,12 @@
 GQA is folded into the query length (`[B, KV, G*Tq, D]` against `[B, KV, Tk, D]`) so K and V
 are never repeated; the mask is repeated G times instead.
 
-Decode rows (Tq = 1) of a paged cache see a prefix of their block table. `run_paged` reads
-each stretch of consecutive block ids ("run") in place and merges the runs' `(O, lse)`
-(`segments_lse`), instead of gathering every key into a copy first (except for a small
-batch, `GATHER_KEYS`, where one call over a gathered copy costs less than a call per run):
+Decode rows (Tq = 1) of a paged cache see a prefix of their block table. `run_paged` sends
+a decode batch to the native kernel of `cpu_paged`: one call per layer for the whole batch,
+reading the blocks in place. Without it, `run_paged` reads each stretch of consecutive block
+ids ("run") in place and merges the runs' `(O, lse)` (`segments_lse`), instead of gathering
+every key into a copy first (except for a small batch, `GATHER_KEYS`, where one call over a
+gathered copy costs less than a call per run):
 
     table  [7 8 9 | 3 | 12 13]   kv_len 90, block_size 16  ->  runs (7, 48) (3, 16) (12, 26)
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import cpu_paged
 from kernels.attention.naive import PagedPlan, gather_plan, key_mask, plan_paged
 from kernels.merge import merge
 
@@ -88,6 +91,12 @@ def block_runs(table: list[int], num_keys: int, block_size: int) -> list[tuple[i
 
 
 def run_paged(q, k_cache, v_cache, plan: PagedPlan, *, scale=None):
+    if q.shape[1] == 1 and cpu_paged.supports(q, k_cache, k_cache.shape[2], k_cache.shape[3]):
+        if plan.native is None:           # once per step; every layer reuses it
+            plan.native = cpu_paged.prepare(plan.block_tables, plan.mask[:, 0].sum(-1),
+                                            k_cache.shape[1], q.shape[2], q.shape[3])
+        o, lse = cpu_paged.decode(q[:, 0], k_cache, v_cache, scale=scale, prepared=plan.native)
+        return o[:, None], lse[:, None]
     if q.shape[1] != 1 or q.device.type != "cpu" \
             or (q.shape[0] > 1 and plan.gather.numel() <= GATHER_KEYS):
         o, lse = attention_lse(q, gather_plan(k_cache, plan), gather_plan(v_cache, plan),

@@ -71,6 +71,7 @@ class PagedPlan:
     kv_lens: torch.Tensor
     q_start: torch.Tensor
     runs: list | None = None     # backends reading blocks in place cache their layout here
+    native: object | None = None  # cpu_paged.Prepared of a decode batch (cpu_flash)
 
 
 def plan_paged(block_tables: torch.Tensor, kv_lens: torch.Tensor, block_size: int, tq: int,

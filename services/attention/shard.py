@@ -18,8 +18,10 @@ block ids).
 
 Pages are head-major, `kv [2, F, KV, num_blocks, block_size, D]`, so one KV head's keys in a
 stretch of consecutive block ids are one contiguous `[n·block_size, D]` matrix. The decode
-sweep reads each such stretch ("run") in place with the fused CPU kernel and merges the
-runs' `(O, lse)`; `sweep_reference` gathers every block and runs the naive kernel.
+rows of a step (one row per sequence) go to the native batched kernel
+(`kernels.attention.cpu_paged`) in one call; prompt rows, or every row without that kernel,
+read each stretch ("run") in place with the fused CPU kernel and merge the runs'
+`(O, lse)`; `sweep_reference` gathers every block and runs the naive kernel.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.attention import cpu_flash, naive
+from kernels.attention import cpu_flash, cpu_paged, naive
 from models.config import ModelConfig
 
 MAX_RUNS = cpu_flash.MAX_RUNS   # a table more fragmented than this is gathered instead
@@ -113,6 +115,8 @@ class KVShard:
         i = self.fa_index[layer]
         o = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], float("-inf"))
+        if cpu_paged.supports(q, self.kv, self.kv.shape[2], self.kv.shape[-1]):
+            seqs = self._sweep_decode(i, seqs, q, limits, o, lse)
         for rows, table, runs in seqs:
             counts = [self._num_local(limits[r]) for r in rows]
             n = max(counts)
@@ -134,6 +138,21 @@ class KVShard:
                 o[part] = o_s[0].float().masked_fill(empty[:, None, None], 0.0)
                 lse[part] = lse_s[0].masked_fill(empty[:, None], float("-inf"))
         return o, lse
+
+    def _sweep_decode(self, i: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int],
+                      o: torch.Tensor, lse: torch.Tensor) -> list[SeqRows]:
+        """The one-row sequences of a step (decode rows) in one native call reading the pages
+        in place (`kernels.attention.cpu_paged`); returns the sequences left to sweep."""
+        single = [s for s in seqs if len(s.rows) == 1 and s.table]
+        if not single:
+            return seqs
+        width = max(len(s.table) for s in single)
+        tables = torch.tensor([s.table + [-1] * (width - len(s.table)) for s in single])
+        lens = torch.tensor([self._num_local(limits[s.rows[0]]) for s in single])
+        rows = [s.rows[0] for s in single]
+        o[rows], lse[rows] = cpu_paged.decode(q[rows], self.kv[0, i], self.kv[1, i], tables,
+                                              lens, head_major=True)
+        return [s for s in seqs if not (len(s.rows) == 1 and s.table)]
 
     def _segments(self, i: int, runs, n: int):
         """In-place `[KV, len, D]` views of K and V covering the first `n` local keys, one per

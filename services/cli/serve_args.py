@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.cli.argtypes import DTYPES, bounded, describe_range, in_range
+from services.cli.argtypes import DTYPES, bounded, describe_range, in_range, resolve_dtype
 
 if TYPE_CHECKING:
     from services.common.grpc_security import GrpcSecurity
@@ -77,8 +77,9 @@ class ServeArgs:
     api_key: str | None = flag(None, "clients of /v1/ must send 'Authorization: Bearer KEY' "
                                      "(default: $SPLITSTACK_API_KEY; unset: no key)",
                                env="SPLITSTACK_API_KEY")
-    dtype: str = flag("float32", "weights and activations of the model",
-                      choices=tuple(sorted(DTYPES)))
+    dtype: str = flag("auto", "weights, activations and KV cache of the model; auto: "
+                              "bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), else "
+                              "float32 (also with --gpu)", choices=("auto", *sorted(DTYPES)))
     max_num_seqs: int = flag(16, "sequences an engine runs at once (on Ray: per attention "
                                  "service)", low=1)
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
@@ -283,8 +284,13 @@ class ServeArgs:
                     or self.prefill_replicas is not None)
 
     @property
+    def dtype_name(self) -> str:
+        """--dtype with `auto` resolved for this machine."""
+        return resolve_dtype(self.dtype, self.gpu)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return DTYPES[self.dtype_name]
 
     @property
     def torch_threads(self) -> int:
@@ -352,7 +358,7 @@ class ServeArgs:
             mlp_replicas=self.mlp_replicas or 1, wiring=self.wiring,
             transport=self.transport or "grpc", kv_splits=self.kv_splits,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-            dtype=self.dtype, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
+            dtype=self.dtype_name, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
             prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security(),
             drain_timeout_s=self.drain_timeout)
 

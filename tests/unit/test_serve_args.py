@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from services.cli import build_parser
+from services.cli.argtypes import cpu_native_bf16
 from services.cli.serve_args import FlagError, ServeArgs, flag_name
 from services.deployment.build import EngineOptions
 from services.deployment.ray_cluster import ClusterConfig
@@ -46,8 +47,19 @@ def test_no_flags_are_the_defaults():
     args = parse()
     assert args == ServeArgs()
     assert not args.uses_cluster and args.torch_threads == 2
-    assert args.torch_dtype is torch.float32 and args.api_key is None
+    assert args.dtype == "auto" and args.api_key is None
+    assert args.torch_dtype is (torch.bfloat16 if cpu_native_bf16() else torch.float32)
     assert args.engine_options() == EngineOptions(prefill=PrefillConfig())
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    from services.cli import argtypes
+    monkeypatch.setattr(argtypes, "cpu_native_bf16", lambda: True)
+    assert parse().torch_dtype is torch.bfloat16
+    assert parse("--gpu").dtype_name == "float32"                 # explicit on a GPU
+    assert parse("--dtype", "float32").torch_dtype is torch.float32
+    monkeypatch.setattr(argtypes, "cpu_native_bf16", lambda: False)
+    assert parse().torch_dtype is torch.float32
 
 
 def test_flags_reach_the_embedded_configs():

@@ -1,0 +1,280 @@
+"""splitstack vs HF transformers vs llama.cpp on the same checkpoint, CPU, side by side.
+
+Every engine runs in its own worker process (bench/peer_worker.py), loaded once; the rounds
+interleave the engines, so each sees the same machine state, and the figures are medians
+over the rounds. Same workload everywhere: token-id prompts (seeded), greedy, no EOS stop.
+
+    make bench-peers                   # once: llama.cpp + its F32/BF16 GGUFs into .peers/
+    python bench/peers.py [--repeats 5] [--threads 2] [--engines ...]
+    python bench/peers.py --served [--concurrency 1,4,16]   # HTTP servers, loadtest
+
+Offline columns (tok/s): prefill of one --prompt-len prompt (time to its first token);
+decode at batch 1 and 8 (--new-tokens each after a --decode-prompt-len prompt, time from
+the first token to the last). Ratios are against llama.cpp's BF16 GGUF. It also checks that
+every engine produced the same greedy tokens as splitstack fp32 at batch 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / ".peers"
+MODEL = ROOT / "models/zoo/smollm2-135m"
+ENGINES = {   # name -> (python, worker args)
+    "splitstack fp32": (sys.executable, ["splitstack", str(MODEL), "float32"]),
+    "splitstack bf16": (sys.executable, ["splitstack", str(MODEL), "bfloat16"]),
+    "HF transformers fp32": (sys.executable, ["hf", str(MODEL), "float32"]),
+    "HF transformers bf16": (sys.executable, ["hf", str(MODEL), "bfloat16"]),
+    "llama.cpp F32 GGUF": (str(PEERS / "venv/bin/python"),
+                           ["llama.cpp", str(PEERS / "smollm2-135m-f32.gguf")]),
+    "llama.cpp BF16 GGUF": (str(PEERS / "venv/bin/python"),
+                            ["llama.cpp", str(PEERS / "smollm2-135m-bf16.gguf")]),
+}
+REFERENCE = "llama.cpp BF16 GGUF"
+
+
+class Worker:
+    def __init__(self, name: str, threads: int):
+        python, args = ENGINES[name]
+        if name.startswith("llama.cpp"):
+            args = [*args, str(threads)]
+        env = dict(os.environ, PEERS_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        self.name = name
+        self.proc = subprocess.Popen([python, str(ROOT / "bench/peer_worker.py"), *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env, cwd=ROOT)
+        self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name}: worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def generate(self, prompts, new_tokens) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(n)]
+
+
+def offline(args) -> None:
+    names = [n for n in ENGINES if n in args.engines]
+    missing = [n for n in names if not Path(ENGINES[n][0]).exists()
+               or (n.startswith("llama") and not Path(ENGINES[n][1][1]).exists())]
+    if missing:
+        sys.exit(f"not installed: {', '.join(missing)} (run `make bench-peers`)")
+    workers = [Worker(n, args.threads) for n in names]
+    long_prompt = prompts(1, args.prompt_len, 0)
+    b1, b8 = prompts(1, args.decode_prompt_len, 1), prompts(8, args.decode_prompt_len, 2)
+    for w in workers:                                        # warm-up
+        w.generate(long_prompt, 1), w.generate(b8, 4)
+    runs: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "b1": [], "b8": []}
+                                               for n in names}
+    tokens: dict[str, list] = {}
+    for r in range(args.repeats):
+        for w in workers if r % 2 == 0 else workers[::-1]:
+            out = w.generate(long_prompt, 1)
+            runs[w.name]["prefill"].append(args.prompt_len / out["first"])
+            out = w.generate(b1, args.new_tokens)
+            runs[w.name]["b1"].append((args.new_tokens - 1) / (out["total"] - out["first"]))
+            tokens[w.name] = out["tokens"]
+            out = w.generate(b8, args.new_tokens)
+            runs[w.name]["b8"].append(8 * (args.new_tokens - 1) / (out["total"] - out["first"]))
+        print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    for w in workers:
+        w.close()
+    med = {n: {k: statistics.median(v) for k, v in cols.items()} for n, cols in runs.items()}
+    ref = med.get(REFERENCE)
+    print(f"# peers, offline: {args.repeats} interleaved rounds, median (min-max) tok/s, "
+          f"{args.threads} threads")
+    print(f"# machine: {cpu_line()}")
+    print(f"# prefill: 1 x {args.prompt_len} tokens; decode: {args.new_tokens} tokens after "
+          f"{args.decode_prompt_len}-token prompts; ratios vs {REFERENCE}")
+    print("| engine | prefill | decode b1 | decode b8 | same greedy tokens as splitstack fp32 |")
+    print("|---|---|---|---|---|")
+    base = tokens.get("splitstack fp32")
+    for n in names:
+        cells = []
+        for k in ("prefill", "b1", "b8"):
+            v = runs[n][k]
+            cell = f"{med[n][k]:.1f} ({min(v):.0f}-{max(v):.0f})"
+            if ref and n != REFERENCE:
+                cell += f" **{med[n][k] / ref[k]:.2f}x**"
+            cells.append(cell)
+        same = "-" if base is None else ("yes" if tokens[n] == base else
+                                         f"first diff at {first_diff(tokens[n][0], base[0])}")
+        print(f"| {n} | " + " | ".join(cells) + f" | {same} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"medians": med, "runs": runs}, indent=1))
+
+
+SERVERS = {   # name -> command line (PORT filled in)
+    "splitstack": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
+                   "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"],
+    "llama.cpp server": [str(PEERS / "venv/bin/python"), "-m", "llama_cpp.server", "--model",
+                         str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1",
+                         "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512"],
+}
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process and its children (MiB)."""
+    total, pids = 0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        pids += [int(k) for k in kids]
+    return total / 1024
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{url}: not ready after {timeout:.0f} s")
+
+
+def served(args) -> None:
+    """Both servers up at once (idle ones cost nothing), then the same closed-loop load
+    against each in turn, `args.repeats` rounds; medians of the rounds."""
+    import tempfile
+    out_dir = Path(tempfile.mkdtemp(prefix="peers-served-"))
+    procs, urls, idle = {}, {}, {}
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    try:
+        for i, (name, cmd) in enumerate(SERVERS.items()):
+            port = args.port + i
+            cmd = [c.replace("{port}", str(port)) for c in cmd]
+            if name == "llama.cpp server":
+                cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                           stderr=open(out_dir / f"{i}.log", "w"))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for name, proc in procs.items():
+            wait_ready(urls[name], proc)
+            time.sleep(3)
+            idle[name] = rss_mib(proc.pid)
+        points: dict[str, dict[int, list[dict]]] = {n: {} for n in procs}
+        for r in range(args.repeats):
+            for name in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
+                dest = out_dir / f"{name.split()[0]}-{r}"
+                subprocess.run([sys.executable, "-m", "loadtest", "--url", urls[name],
+                                "--scenario", args.scenario, "--concurrency",
+                                ",".join(map(str, args.concurrency)), "--num-requests",
+                                str(args.num_requests), "--max-tokens", str(args.max_tokens),
+                                "--max-seconds", "300", "--out", str(dest), "--no-progress"],
+                               cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+                for point in json.loads((dest / "result.json").read_text())["points"]:
+                    points[name].setdefault(point["max_concurrency"], []).append(point)
+            print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    med = lambda pts, key: statistics.median(p[key] for p in pts)   # noqa: E731
+    print(f"# peers, served: `{args.scenario}` scenario, closed loop, {args.num_requests} "
+          f"requests per point, at most {args.max_tokens} output tokens, greedy; "
+          f"{args.repeats} rounds, medians; {args.threads} threads")
+    print(f"# machine: {cpu_line()}")
+    print("| server | concurrency | output tok/s | TTFT p50 / p99 ms | ITL p50 ms | failed |")
+    print("|---|---|---|---|---|---|")
+    ref = "llama.cpp server"
+    for name in procs:
+        for c in args.concurrency:
+            pts = points[name][c]
+            tput = med(pts, "output_throughput")
+            ratio = ""
+            if name != ref and points[ref].get(c):
+                ratio = f" **{tput / med(points[ref][c], 'output_throughput'):.2f}x**"
+            print(f"| {name} | {c} | {tput:.1f}{ratio} | {med(pts, 'p50_ttft_ms'):.0f} / "
+                  f"{med(pts, 'p99_ttft_ms'):.0f} | {med(pts, 'p50_itl_ms'):.1f} | "
+                  f"{sum(p['failed'] for p in pts)} |")
+    print("| server | idle RSS MiB |")
+    print("|---|---|")
+    for name, mib in idle.items():
+        print(f"| {name} | {mib:.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"points": points, "idle_rss_mib": idle},
+                                              indent=1))
+
+
+def first_diff(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def cpu_line() -> str:
+    model, flags = platform.processor() or platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = " ".join(f for f in line.split(":", 1)[1].split()
+                                 if f.startswith(("avx512", "amx", "avx2", "fma")))
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores; {flags}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--engines", type=lambda s: [e.strip() for e in s.split(",")],
+                    default=list(ENGINES), help="comma-separated, of: " + ", ".join(ENGINES))
+    ap.add_argument("--json", help="also write the raw figures here")
+    served_args = ap.add_argument_group("--served: HTTP servers under `splitstack loadtest`")
+    served_args.add_argument("--served", action="store_true")
+    served_args.add_argument("--concurrency", default=[1, 4, 16],
+                             type=lambda s: [int(c) for c in s.split(",")])
+    served_args.add_argument("--scenario", default="chat")
+    served_args.add_argument("--num-requests", type=int, default=48)
+    served_args.add_argument("--max-tokens", type=int, default=64)
+    served_args.add_argument("--port", type=int, default=18600)
+    args = ap.parse_args()
+    served(args) if args.served else offline(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+/* Batched paged decode attention for the CPU: one call per layer for a whole decode batch.
+ *
+ * Each decode row (one query token per sequence, every query head) attends to the first
+ * lens[b] positions of its sequence, read in place from the paged cache through its block
+ * table. The work is split flash-decoding style into items (sequence, KV head, chunk of
+ * CHUNK keys) spread over the threads; each item keeps the partial softmax of its G query
+ * heads (max m, sum l, unnormalised accumulator), and a merge pass combines the chunks:
+ *
+ *     M = max_c m_c     L = sum_c l_c e^(m_c - M)     O = sum_c acc_c e^(m_c - M) / L
+ *     lse = M + log L   (a row with no key: O = 0, lse = -inf)
+ *
+ * Caches are fp32 or bf16 (widened to fp32 on load), any layout whose head dim is
+ * contiguous: key t of a row with block table T sits at T[t / bs] * sb + (t % bs) * so
+ * + kvh * sh (elements). q, O and lse are fp32.
+ * Built by kernels/attention/cpu_paged.py with the host compiler (-O3 -march=native) and
+ * called through ctypes; OpenMP resolves to the libgomp torch has already loaded.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_G 32
+#define MAX_D 256
+#define MAX_CHUNK 512
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void load_row(const void *base, int64_t offset, int is_bf16, int d, float *out) {
+    if (is_bf16) {
+        const uint16_t *p = (const uint16_t *)base + offset;
+#pragma omp simd
+        for (int i = 0; i < d; i++) out[i] = bf16_to_f32(p[i]);
+    } else {
+        memcpy(out, (const float *)base + offset, (size_t)d * sizeof(float));
+    }
+}
+
+/* One item: query heads [kvh*G, kvh*G+G) of sequence b against keys [t0, t1). */
+static void sweep(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                  const int64_t *table, int t0, int t1, int d, int bs, int64_t sb,
+                  int64_t so, int64_t sh, int kvh, int g, float scale, float *s, float *acc, float *m_out,
+                  float *l_out) {
+    float kf[MAX_D], vf[MAX_D];
+    const float *qh = q + (int64_t)kvh * g * d;
+    int n = t1 - t0;
+    for (int j = 0; j < n; j++) {
+        int t = t0 + j;
+        load_row(k_cache, table[t / bs] * sb + (t % bs) * so + kvh * sh, is_bf16, d, kf);
+        for (int gi = 0; gi < g; gi++) {
+            const float *qg = qh + gi * d;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < d; i++) dot += qg[i] * kf[i];
+            s[gi * n + j] = dot * scale;
+        }
+    }
+    for (int gi = 0; gi < g; gi++) {
+        float *sg = s + gi * n, m = sg[0], l = 0.f;
+        for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;
+#pragma omp simd reduction(+ : l)
+        for (int j = 0; j < n; j++) {
+            sg[j] = expf(sg[j] - m);
+            l += sg[j];
+        }
+        m_out[gi] = m;
+        l_out[gi] = l;
+        memset(acc + gi * d, 0, (size_t)d * sizeof(float));
+    }
+    for (int j = 0; j < n; j++) {
+        int t = t0 + j;
+        load_row(v_cache, table[t / bs] * sb + (t % bs) * so + kvh * sh, is_bf16, d, vf);
+        for (int gi = 0; gi < g; gi++) {
+            float p = s[gi * n + j], *a = acc + gi * d;
+#pragma omp simd
+            for (int i = 0; i < d; i++) a[i] += p * vf[i];
+        }
+    }
+}
+
+/* q [B, H, D]; caches with element strides sb (block), so (offset), sh (KV head); tables [B, table_stride]; lens [B];
+ * scratch part_acc [B, KV, nc, G, D], part_ml [B, KV, nc, G, 2]; out o [B, H, D], lse [B, H].
+ * nc = chunks of the longest row, chunk <= MAX_CHUNK keys. Returns 0, or -1 for a shape it does not take. */
+int paged_decode(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
+                 const int64_t *tables, int64_t table_stride, const int64_t *lens, int b_rows,
+                 int h, int kv, int d, int bs, int64_t sb, int64_t so, int64_t sh, float scale, int chunk, int nc, int threads,
+                 float *part_acc, float *part_ml, float *o, float *lse) {
+    int g = h / kv;
+    if (g > MAX_G || d > MAX_D || g * kv != h || chunk <= 0 || chunk > MAX_CHUNK) return -1;
+    int64_t items = (int64_t)b_rows * kv * nc;
+#pragma omp parallel num_threads(threads)
+    {
+        float s[MAX_G * MAX_CHUNK];
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            int c = (int)(it % nc);
+            int kvh = (int)((it / nc) % kv);
+            int b = (int)(it / ((int64_t)nc * kv));
+            int len = (int)lens[b], t0 = c * chunk, t1 = t0 + chunk < len ? t0 + chunk : len;
+            float *ml = part_ml + it * g * 2;
+            float *acc = part_acc + it * g * d;
+            if (t0 >= t1) {
+                for (int gi = 0; gi < g; gi++) ml[2 * gi + 1] = 0.f;   /* l = 0: no keys */
+                continue;
+            }
+            float m[MAX_G], l[MAX_G];
+            sweep(q + (int64_t)b * h * d, k_cache, v_cache, is_bf16,
+                  tables + (int64_t)b * table_stride, t0, t1, d, bs, sb, so, sh, kvh, g, scale, s,
+                  acc, m, l);
+            for (int gi = 0; gi < g; gi++) {
+                ml[2 * gi] = m[gi];
+                ml[2 * gi + 1] = l[gi];
+            }
+        }
+        /* merge the chunks of each (sequence, query head) */
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < (int64_t)b_rows * h; bh++) {
+            int b = (int)(bh / h), head = (int)(bh % h), kvh = head / g, gi = head % g;
+            float *out = o + bh * d;
+            int64_t base = ((int64_t)b * kv + kvh) * nc;
+            float big = -INFINITY, total = 0.f;
+            for (int c = 0; c < nc; c++) {
+                const float *ml = part_ml + ((base + c) * g + gi) * 2;
+                if (ml[1] > 0.f && ml[0] > big) big = ml[0];
+            }
+            memset(out, 0, (size_t)d * sizeof(float));
+            if (big == -INFINITY) {
+                lse[bh] = -INFINITY;
+                continue;
+            }
+            for (int c = 0; c < nc; c++) {
+                const float *ml = part_ml + ((base + c) * g + gi) * 2;
+                if (!(ml[1] > 0.f)) continue;
+                float w = expf(ml[0] - big);
+                const float *a = part_acc + ((base + c) * g + gi) * d;
+                total += ml[1] * w;
+#pragma omp simd
+                for (int i = 0; i < d; i++) out[i] += a[i] * w;
+            }
+            float inv = 1.f / total;
+#pragma omp simd
+            for (int i = 0; i < d; i++) out[i] *= inv;
+            lse[bh] = big + logf(total);
+        }
+    }
+    return 0;
+}
