@@ -131,7 +131,8 @@ SERVERS = {   # name -> command line (PORT filled in)
                    "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"],
     "llama.cpp server": [str(PEERS / "venv/bin/python"), "-m", "llama_cpp.server", "--model",
                          str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1",
-                         "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512"],
+                         "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512",
+                         "--interrupt_requests", "False"],   # else a new request cuts the last
 }
 
 
@@ -199,6 +200,8 @@ def served(args) -> None:
                 for point in json.loads((dest / "result.json").read_text())["points"]:
                     points[name].setdefault(point["max_concurrency"], []).append(point)
             print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+        time.sleep(5)
+        after = {name: rss_mib(proc.pid) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -225,12 +228,13 @@ def served(args) -> None:
             print(f"| {name} | {c} | {tput:.1f}{ratio} | {med(pts, 'p50_ttft_ms'):.0f} / "
                   f"{med(pts, 'p99_ttft_ms'):.0f} | {med(pts, 'p50_itl_ms'):.1f} | "
                   f"{sum(p['failed'] for p in pts)} |")
-    print("| server | idle RSS MiB |")
-    print("|---|---|")
+    print("| server | RSS MiB, idle at start | RSS MiB, idle after the load |")
+    print("|---|---|---|")
     for name, mib in idle.items():
-        print(f"| {name} | {mib:.0f} |")
+        print(f"| {name} | {mib:.0f} | {after[name]:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"points": points, "idle_rss_mib": idle},
+        Path(args.json).write_text(json.dumps({"points": points, "idle_rss_mib": idle,
+                                               "idle_after_load_rss_mib": after},
                                               indent=1))
 
 

@@ -31,6 +31,7 @@ import torch
 
 from kernels.attention import cpu_flash, cpu_paged, naive
 from models.config import ModelConfig
+from services.engine.kv_cache import lazy_zeros
 
 MAX_RUNS = cpu_flash.MAX_RUNS   # a table more fragmented than this is gathered instead
 ROW_CHUNK = 256                 # masked (prompt) rows per kernel call: bounds the mask
@@ -61,8 +62,8 @@ class KVShard:
         self.index, self.num_shards, self.block_size = index, num_shards, block_size
         self.name = name or f"attn-shard-{index}"
         self.fa_index = {l: i for i, l in enumerate(cfg.full_attention_layers)}
-        self.kv = torch.zeros(2, len(self.fa_index), cfg.num_key_value_heads, num_blocks,
-                              block_size, cfg.head_dim, dtype=dtype, device=device)
+        self.kv = lazy_zeros(2, len(self.fa_index), cfg.num_key_value_heads, num_blocks,
+                             block_size, cfg.head_dim, dtype=dtype, device=device)
 
     def owns(self, positions: torch.Tensor) -> torch.Tensor:
         return (positions // self.block_size) % self.num_shards == self.index

@@ -4,14 +4,32 @@
     conv:      [num_gdn_layers, num_slots, conv_dim, Kc − 1]        (model dtype)
     recurrent: [num_gdn_layers, num_slots, HV, Dk, Dv]              (fp32)
 
-Layers get views (`k(l)`, `v(l)`); nothing here allocates per step. Block ids and slot ids
+Layers get views (`k(l)`, `v(l)`); nothing here allocates per step. The KV pages are
+backed by memory only once a block is first written (`lazy_zeros`). Block ids and slot ids
 come from `BlockManager` / `SlotPool`; this class only stores.
 """
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from models.config import ModelConfig
+
+
+def lazy_zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zero tensor whose CPU pages are only backed once written: an anonymous memory map
+    (zero-filled by the kernel on first touch), so a cache sized for the worst case costs
+    resident memory only for the blocks it has held. Elsewhere: `torch.zeros`."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if size == 0:
+        return torch.zeros(*shape, dtype=dtype)
+    buffer = mmap.mmap(-1, size)                       # private, anonymous, zero-filled
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(*shape)
 
 
 class CacheStorage:
@@ -21,8 +39,8 @@ class CacheStorage:
         self.fa_index = {l: i for i, l in enumerate(cfg.full_attention_layers)}
         self.gdn_index = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
         kvh, d = cfg.num_key_value_heads, cfg.head_dim
-        self.kv = torch.zeros(2, len(self.fa_index), num_blocks, block_size, kvh, d,
-                              dtype=dtype, device=device)
+        self.kv = lazy_zeros(2, len(self.fa_index), num_blocks, block_size, kvh, d,
+                             dtype=dtype, device=device)
         self.conv = self.recurrent = None
         if self.gdn_index:
             self.conv = torch.zeros(len(self.gdn_index), num_slots, cfg.gdn_conv_dim,
