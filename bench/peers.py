@@ -129,6 +129,9 @@ def offline(args) -> None:
 SERVERS = {   # name -> command line (PORT filled in)
     "splitstack": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
                    "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"],
+    "splitstack Q-First": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
+                           "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
+                           "--attention-shards", "1", "--mlp-replicas", "1"],
     "llama.cpp server": [str(PEERS / "venv/bin/python"), "-m", "llama_cpp.server", "--model",
                          str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1",
                          "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512",
@@ -173,9 +176,11 @@ def served(args) -> None:
     import tempfile
     out_dir = Path(tempfile.mkdtemp(prefix="peers-served-"))
     procs, urls, idle = {}, {}, {}
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), RAY_USAGE_STATS_ENABLED="0",
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="disabled",
+               TOKENIZERS_PARALLELISM="false")     # Ray on loopback (the Q-First server)
     try:
-        for i, (name, cmd) in enumerate(SERVERS.items()):
+        for i, (name, cmd) in enumerate((n, c) for n, c in SERVERS.items() if n in args.servers):
             port = args.port + i
             cmd = [c.replace("{port}", str(port)) for c in cmd]
             if name == "llama.cpp server":
@@ -223,7 +228,7 @@ def served(args) -> None:
             pts = points[name][c]
             tput = med(pts, "output_throughput")
             ratio = ""
-            if name != ref and points[ref].get(c):
+            if name != ref and points.get(ref, {}).get(c):
                 ratio = f" **{tput / med(points[ref][c], 'output_throughput'):.2f}x**"
             print(f"| {name} | {c} | {tput:.1f}{ratio} | {med(pts, 'p50_ttft_ms'):.0f} / "
                   f"{med(pts, 'p99_ttft_ms'):.0f} | {med(pts, 'p50_itl_ms'):.1f} | "
@@ -276,6 +281,9 @@ def main() -> None:
     served_args.add_argument("--num-requests", type=int, default=48)
     served_args.add_argument("--max-tokens", type=int, default=64)
     served_args.add_argument("--port", type=int, default=18600)
+    served_args.add_argument("--servers", default=["splitstack", "llama.cpp server"],
+                             type=lambda s: [e.strip() for e in s.split(",")],
+                             help="comma-separated, of: " + ", ".join(SERVERS))
     args = ap.parse_args()
     served(args) if args.served else offline(args)
 

@@ -1,6 +1,6 @@
 """The CPU settings every serving process makes before it computes anything.
 
-`tune_process()` does both of these; `splitstack`'s `main` calls it for every command and
+`tune_process()` does all of these; `splitstack`'s `main` calls it for every command and
 each Ray replica first thing in its constructor. It must run before the first parallel
 operation starts PyTorch's compute threads, which inherit the flush mode only when they are
 created.
@@ -15,12 +15,17 @@ created.
   x86 computes on in microcode, many times slower. A subnormal lies more than 30 orders of
   magnitude below the O(1) terms it is summed with, so flushing changes no result float32
   can tell apart. `SPLITSTACK_FLUSH_DENORMALS=0` opts out.
+- `short_gil_switch`: the GIL switch interval drops from 5 ms to 0.2 ms. An engine thread
+  gives up the GIL inside every torch op; when the event loop, a tokenizer or a gRPC thread
+  takes it, the engine waits up to the switch interval to get it back. At 5 ms the embedded
+  server decoded 18-23% fewer tokens/s under a chat load (concurrency 1 and 16).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import platform
+import sys
 
 import torch
 
@@ -30,9 +35,17 @@ TRIM_THRESHOLD = 2**31 - 1            # the largest value mallopt takes (an int)
 DEFAULTS = {M_MMAP_MAX: 65536, M_TRIM_THRESHOLD: 128 * 1024}
 
 
+SWITCH_INTERVAL_S = 2e-4
+
+
 def tune_process() -> None:
     keep_freed_memory()
     flush_denormals()
+    short_gil_switch()
+
+
+def short_gil_switch() -> None:
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def _libc():
