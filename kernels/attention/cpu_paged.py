@@ -3,34 +3,21 @@
 `decode(q, k_cache, v_cache, block_tables, kv_lens)` is `naive.paged_attention_lse` for
 one query token per sequence (each row sees its first `kv_lens[b]` positions), computed by
 `cpu_paged.c` reading the paged cache in place, whatever the lengths and however the
-blocks are scattered. The C file is compiled on first use with the host compiler
-(`-O3 -march=native`, so the vector width is the machine's) into a cache directory keyed
-by the source, the flags and the CPU, and loaded with ctypes; without a compiler,
+blocks are scattered. Built and loaded by `kernels.native`; without a compiler,
 `available()` is False and callers keep the torch path.
-
-    SPLITSTACK_KERNEL_CACHE   where built kernels are kept (default ~/.cache/splitstack)
-    SPLITSTACK_NATIVE_KERNELS=0   never build or load them
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from kernels import native
 
 SOURCE = Path(__file__).with_name("cpu_paged.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC",
-         "-shared")
+FLAGS = (*native.FLAGS, "-ffast-math", "-fno-finite-math-only")
 CHUNK = 256          # keys per work item: small enough to split one long row over threads
 MAX_CHUNK = 512      # the C file's score buffer
 MAX_GROUP, MAX_HEAD_DIM = 32, 256
@@ -38,68 +25,22 @@ MAX_GROUP, MAX_HEAD_DIM = 32, 256
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet; None: unavailable
 
 
-def _cpu_key() -> str:
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return platform.machine() + flags
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPLITSTACK_KERNEL_CACHE") or Path.home() / ".cache" / "splitstack"
-    path = Path(root) / "kernels"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    path = Path(tempfile.gettempdir()) / "splitstack-kernels"   # a read-only home (containers)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def build() -> Path:
     """Compile the kernel (once per source, flags and CPU) and return the library's path."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_key().encode()).hexdigest()
-    target = _cache_dir() / f"cpu_paged-{digest[:16]}.so"
-    if target.exists():
-        return target
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)        # atomic: concurrent builders (Ray actors) never clash
-    except subprocess.CalledProcessError as err:
-        raise RuntimeError(f"building {SOURCE.name} failed: {err.stderr.strip()}") from err
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    return native.build(SOURCE, FLAGS)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+    lib.paged_decode.argtypes = [ptr, ptr, ptr, i, ptr, i64, ptr, i, i, i, i, i, i64, i64, i64,
+                                 f, i, i, i, ptr, ptr, ptr, ptr]
+    lib.paged_decode.restype = i
 
 
 def library() -> ctypes.CDLL | None:
     global _lib
     if _lib is False:
-        _lib = None
-        if os.environ.get("SPLITSTACK_NATIVE_KERNELS", "1") != "0":
-            try:
-                lib = ctypes.CDLL(str(build()))
-                fn = lib.paged_decode
-                ptr, i, i64, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-                fn.argtypes = [ptr, ptr, ptr, i, ptr, i64, ptr, i, i, i, i, i, i64, i64, i64, f,
-                               i, i, i, ptr, ptr, ptr, ptr]
-                fn.restype = i
-                _lib = lib
-            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                log.warning("native paged decode attention unavailable (%s); using torch", err)
+        _lib = native.load(SOURCE, _declare, FLAGS)
     return _lib
 
 

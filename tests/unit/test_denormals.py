@@ -59,3 +59,16 @@ def test_subnormals_flush_on_every_thread_and_the_delta_rule_agrees(tmp_path):
 def test_opt_out_keeps_subnormals(tmp_path):
     on, nz_y, nz_b = probe("flush", str(tmp_path / "o.pt"), SPLITSTACK_FLUSH_DENORMALS="0")
     assert not on and nz_y == 1 << 22 and nz_b == 64 * 64
+
+
+def test_tune_process_shortens_the_gil_switch_interval():
+    import sys
+
+    from services.common.process import SWITCH_INTERVAL_S, tune_process
+    before = sys.getswitchinterval()
+    try:
+        tune_process()
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert SWITCH_INTERVAL_S < 0.005          # below Python's default
+    finally:
+        sys.setswitchinterval(before)
