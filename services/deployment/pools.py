@@ -377,6 +377,10 @@ class PoolManager:
                 continue
             if not self._has_ready(pool) and waited < self.drain_timeout_s:
                 continue                    # it still serves until its successor is ready
+            if self._has_ready(pool) and m.address in self._published[POOLS.index(pool)]:
+                continue                    # marked draining after this tick's publish: it
+                                            # leaves routing first (its moved requests count
+                                            # as drained, not failed), then stops
             idle = self._idle(m)
             if idle and waited >= self.LEAVE_GRACE_S:
                 self._remove(m)

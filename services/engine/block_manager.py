@@ -3,7 +3,10 @@
 Contract:
 - A block id is either free (ref count 0, in the free queue exactly once) or used
   (ref count >= 1, not in the free queue). `check()` asserts this invariant.
-- `allocate` hands out the oldest-freed blocks first, so ids are deterministic.
+- `allocate` hands out the most recently freed blocks first (never-used ones in ascending
+  order after them), so ids are deterministic and a server keeps reusing the pages it has
+  already touched: the KV cache is a lazily backed memory map, and its resident size
+  stays at the working set instead of growing to the whole cache.
 - Whoever holds a block table owns one reference per block and must `free` it exactly once
   (on finish, abort, failure or preemption). `share` adds references for a second owner
   (prefix sharing); the block returns to the free queue when the last owner frees it.
@@ -62,12 +65,14 @@ class BlockManager:
             self.ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
+        freed = []
         for b in blocks:
             if self.ref_counts[b] <= 0:
                 raise ValueError(f"double free of block {b}")
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_queue.append(b)
+                freed.append(b)
+        self.free_queue.extendleft(reversed(freed))       # next out, in table order
 
     def grow(self, block_table: list[int], num_tokens: int) -> None:
         """Append blocks to `block_table` until it can hold `num_tokens` tokens."""

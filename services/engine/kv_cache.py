@@ -28,7 +28,7 @@ def lazy_zeros(*shape: int, dtype: torch.dtype, device: torch.device | str = "cp
     size = count * torch.empty((), dtype=dtype).element_size()
     if size == 0:
         return torch.zeros(*shape, dtype=dtype)
-    buffer = mmap.mmap(-1, size)                       # private, anonymous, zero-filled
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(*shape)
 
 

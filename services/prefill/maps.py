@@ -30,16 +30,25 @@ class MapsError(ValueError):
     """Maps that cannot serve this model or split."""
 
 
-def model_fingerprint(model: CausalLM) -> str:
-    """A stable id of the weights: config plus a strided sample of every parameter."""
+def model_fingerprint(model: CausalLM, *, exact_values: bool = False) -> str:
+    """A stable id of the weights: config plus a strided sample of every parameter, the
+    sample rounded to bf16 so that one checkpoint loaded in fp32 or bf16 has one id (maps
+    calibrated in fp32 serve a bf16 model). `exact_values`: the sample unrounded, the id
+    files written before the rounding carry (`model_fingerprints`)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(model.config), sort_keys=True,
                                   default=str).encode())
     for name, p in sorted(model.named_parameters()):
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // 257)
         h.update(name.encode() + str(tuple(p.shape)).encode())
-        h.update(flat[::step].float().cpu().numpy().tobytes())
+        sample = flat[::step] if exact_values else flat[::step].to(torch.bfloat16)
+        h.update(sample.float().cpu().numpy().tobytes())
     return h.hexdigest()[:24]
+
+
+def model_fingerprints(model: CausalLM) -> set[str]:
+    """Every id a file made for this model may carry."""
+    return {model_fingerprint(model), model_fingerprint(model, exact_values=True)}
 
 
 def context_features(x: torch.Tensor, rows: torch.Tensor, context_rows: int) -> torch.Tensor:
@@ -90,7 +99,7 @@ class RidgeMaps:
             self.meta = f.metadata()
             self._keys = set(f.keys())
         fp = model_fingerprint(model)
-        if self.meta.get("fingerprint") != fp:
+        if self.meta.get("fingerprint") not in model_fingerprints(model):
             raise MapsError(f"maps in {self.path} were calibrated for model "
                             f"{self.meta.get('fingerprint')}, not this one ({fp})")
         if int(self.meta["split"]) != split:
@@ -149,7 +158,7 @@ def load_unigram(maps_dir: str | Path, model: CausalLM):
     """-> (token counts [V] float64, token classes [V] int8 or None)."""
     path = Path(maps_dir) / "unigram.safetensors"
     with safe_open(str(path), "pt") as f:
-        if f.metadata().get("fingerprint") != model_fingerprint(model):
+        if f.metadata().get("fingerprint") not in model_fingerprints(model):
             raise MapsError(f"{path} was counted for another model")
         cls = f.get_tensor("token_class") if "token_class" in f.keys() else None
         return f.get_tensor("counts"), cls

@@ -39,6 +39,7 @@ def test_sigterm_drains_the_gateway_and_the_stream_finishes():
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--model", str(ZOO),
                              "--served-model-name", "m", "--port", str(port),
+                             "--dtype", "float32",              # the exact engine's tokens
                              "--drain-timeout", "120", "--log-level", "warning"], cwd=ROOT)
     try:
         deadline = time.monotonic() + 180

@@ -231,7 +231,11 @@ def test_attention_pool_resizes_under_load(cluster, reference, long_reference, r
     assert [(k, err) for k, _, err in load.results if err is not None] == []
     assert all(text == reference[k] for k, text, _ in load.results)
     assert long_results == [(text, None) for text in long_reference]
-    assert migrations(base, "drain") >= 2
+    # every request on a killed service moved, labelled as drained (a request that ended
+    # between its service leaving routing and the kill has nothing to move)
+    drained, failed = migrations(base, "drain"), migrations(base, "failure")
+    print(f"migrations: drain {drained:.0f}, failure {failed:.0f}")
+    assert drained >= 1 and failed == 0
     assert len(handles.attention) == 1 and handles.attention_addresses == addresses[:1]
     free, total = ray_session.get(handles.attention[0].blocks.remote())
     assert free == total

@@ -86,9 +86,10 @@ def test_finished_cancelled_and_failed_all_free_their_blocks(engine_qwen35, monk
     assert eng.seqs[doomed].error == "RuntimeError: injected device fault"
     # every block and state slot is back, in a known order
     assert eng.blocks.num_free == 24 and eng.slots.num_free == 4
-    # 8..23 never used; then `done` [0], `cancelled` [1, 2, 3], `doomed` [4, 5] and
-    # `survivor` [6, 7] (its decode took block 7) return in the order they were freed
-    assert list(eng.blocks.free_queue) == list(range(8, 24)) + list(range(8))
+    # `done` [0] and `cancelled` [1, 2, 3] went back to the front of the queue, so
+    # `survivor`'s decode took block 1; then `doomed` [4, 5] and `survivor` [6, 1] went back,
+    # each to the front; 7..23 were never used
+    assert list(eng.blocks.free_queue) == [6, 1, 4, 5, 2, 3, 0] + list(range(7, 24))
     eng.blocks.check()
     monkeypatch.setattr(eng.runner, "run", real_run)
     seqs = eng.generate([[1, 2, 3]], GenerationParams(max_tokens=2, ignore_eos=True))

@@ -88,3 +88,10 @@ def test_bf16_packed_product_is_exactly_linear(rows):
     with torch.no_grad():
         w.mul_(-1.0)                                      # a stale packed copy would miss this
     assert torch.equal(project(x, w), F.linear(x, w))
+
+
+def test_row_buckets_bound_the_shapes_a_server_sees():
+    from models.layers import row_bucket
+    assert [row_bucket(m) for m in (1, 7, 16)] == [1, 7, 16]          # decode batches exact
+    assert [row_bucket(m) for m in (17, 32, 33, 500, 512, 513)] == [32, 32, 64, 512, 512, 768]
+    assert len({row_bucket(m) for m in range(1, 2049)}) == 16 + 16 + 6

@@ -250,10 +250,10 @@ def test_no_blocks_or_pins_leak_after_hits_aborts_and_failures(checkpoint, monke
     engine.generate([P[:40]], ONE)
     assert_all_returned(engine)
     # a hit: blocks for its 40 cached rows and the rest of the prompt are taken at admission
-    # (P[:40] held blocks 0..2 and gave them back behind 3..11)
+    # (P[:40] held blocks 0..2 and gave them back to the front of the queue)
     sid = engine.add_request(P, GenerationParams(max_tokens=2, ignore_eos=True))
     engine.step()
-    assert engine.seqs[sid].block_table == [3, 4, 5, 6] and engine.seqs[sid].num_computed == 60
+    assert engine.seqs[sid].block_table == [0, 1, 2, 3] and engine.seqs[sid].num_computed == 60
     while engine.has_unfinished():
         engine.step()
     assert_all_returned(engine)
