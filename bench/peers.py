@@ -27,6 +27,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.soak import tree_rss_mb  # noqa: E402
+from kernels.native import cpu_flags  # noqa: E402
+
 PEERS = ROOT / ".peers"
 MODEL = ROOT / "models/zoo/smollm2-135m"
 ENGINES = {   # name -> (python, worker args)
@@ -139,22 +144,6 @@ SERVERS = {   # name -> command line (PORT filled in)
 }
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process and its children (MiB)."""
-    total, pids = 0, [pid]
-    while pids:
-        p = pids.pop()
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
-        except OSError:
-            continue
-        pids += [int(k) for k in kids]
-    return total / 1024
-
-
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     import httpx
     deadline = time.monotonic() + timeout
@@ -191,7 +180,7 @@ def served(args) -> None:
         for name, proc in procs.items():
             wait_ready(urls[name], proc)
             time.sleep(3)
-            idle[name] = rss_mib(proc.pid)
+            idle[name] = tree_rss_mb(proc.pid)
         points: dict[str, dict[int, list[dict]]] = {n: {} for n in procs}
         for r in range(args.repeats):
             for name in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
@@ -206,7 +195,7 @@ def served(args) -> None:
                     points[name].setdefault(point["max_concurrency"], []).append(point)
             print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
         time.sleep(5)
-        after = {name: rss_mib(proc.pid) for name, proc in procs.items()}
+        after = {name: tree_rss_mb(proc.pid) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -248,17 +237,15 @@ def first_diff(a: list[int], b: list[int]) -> int:
 
 
 def cpu_line() -> str:
-    model, flags = platform.processor() or platform.machine(), ""
+    model = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = " ".join(f for f in line.split(":", 1)[1].split()
-                                 if f.startswith(("avx512", "amx", "avx2", "fma")))
-                break
-    except OSError:
+        model = next(line.split(":", 1)[1].strip()
+                     for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
+    flags = " ".join(sorted(f for f in cpu_flags()
+                            if f.startswith(("avx512", "amx", "avx2", "fma"))))
     return f"{model}, {os.cpu_count()} cores; {flags}"
 
 

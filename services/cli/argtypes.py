@@ -6,18 +6,15 @@ import argparse
 
 import torch
 
+from kernels.native import cpu_flags
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def cpu_native_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there bf16 weights
     halve what a decode step reads at no cost in speed; elsewhere bf16 is emulated, slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:
-        return False
+    flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

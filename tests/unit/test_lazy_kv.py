@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import torch
 
+from bench.soak import rss_mb
 from services.engine.kv_cache import lazy_zeros
 
 
 def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 1024
+    return rss_mb(os.getpid())
 
 
 def test_lazy_zeros_is_zero_writable_and_untouched_until_written():
