@@ -4,6 +4,7 @@
     identity                x̂_l = x_S (POP's fill)
     ridgefill               x̂_l = A_l x_S + b_l
     {identity,ridgefill}+{attention,question-blind,protected,probe,random}   exact rows
+    ridgefill+probe-shared  the probe, its lexical net in the seed's order (not BM25)
     ridgefill+rescale       value rescale from the first 64 tail rows
     ridgefill+rescale-kv    key and value magnitude rescale from the same rows
     ridgefill+rescale-k     key magnitude rescale only (the paper's Llama correction)
@@ -200,6 +201,8 @@ _register("ridgefill", fill="ridge")
 for _sel in ("attention", "question-blind", "protected", "probe", "random"):
     _register(f"ridgefill+{_sel}", fill="ridge", selector=_sel)
     _register(f"identity+{_sel}", fill="identity", selector=_sel)
+# the probe with the seed's order of the lexical net's sentences (the default ranks by BM25)
+_register("ridgefill+probe-shared", fill="ridge", selector="probe", lexical_rank="shared")
 _register("ridgefill+rescale", fill="ridge", value_rescale=64)
 _register("ridgefill+rescale-kv", fill="ridge", value_rescale=64, key_rescale=True)
 _register("ridgefill+rescale-k", fill="ridge", key_rescale=64)

@@ -150,7 +150,7 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
                          f"{MAX_ANSWER_TOKENS} kept for the answer)")
     # the probe arms' lexical net reads the tokenizer's pieces
     options = {"tail": cfg.tail_len, **(arm_options or {})}
-    if any(name.partition("@")[0].endswith("+probe") for name in arm_names):
+    if any("+probe" in name.partition("@")[0] for name in arm_names):
         options.setdefault("lexicon", Lexicon.from_tokenizer(tokenizer, model.config.vocab_size))
     arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
                 for name in arm_names}

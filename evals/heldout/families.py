@@ -5,6 +5,8 @@ use). These formats are written after published tests instead, on held-out text:
 
 - `passkey` (Landmark Attention, LongLoRA): noise ("The grass is green. ..." repeated);
   "The pass key is N. Remember it. N is the pass key." on its own line; 5 digits.
+- `passkey_essay`: the same pass key, its own sentences between two of an essay's
+  (licence texts) instead of on a line in the noise.
 - `niah_single_1` (RULER): the same noise; "One of the special magic numbers for K is: V.";
   7 digits.
 - `niah_single_2` (RULER): essays (licence texts); the same needle at a sentence boundary.
@@ -53,6 +55,7 @@ class Family:
 
 FAMILIES = {f.name: f for f in (
     Family("passkey", "noise", 12),
+    Family("passkey_essay", "essay", 12),
     Family("niah_single_1", "noise", 16),
     Family("niah_single_2", "essay", 16),
     Family("niah_single_3", "essay", 40),
@@ -74,10 +77,11 @@ def _key(rng: random.Random) -> str:
 
 
 def _parts(family: Family, rng: random.Random, tokenizer) -> Parts:
-    if family.name == "passkey":
+    if family.name.startswith("passkey"):
         v = str(rng.randint(10_000, 99_999))
+        sentences = f"The pass key is {v}. Remember it. {v} is the pass key."
         return Parts(PASSKEY_TASK + "\n",
-                     f"\nThe pass key is {v}. Remember it. {v} is the pass key.\n",
+                     f"\n{sentences}\n" if family.haystack == "noise" else f" {sentences}",
                      "\nWhat is the pass key? The pass key is", v)
     if family.name == "paragraph":
         k, v = rng.choice(NOUNS), rng.choice(VALUE_WORDS)

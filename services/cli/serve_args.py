@@ -135,6 +135,10 @@ class ServeArgs:
     lexical: float = flag(0.05, "probe selector: share of prefix rows reserved within the "
                                 "budget for the lexical net's sentences (0: attention "
                                 "ranking alone)", low=0.0, high=1.0, group="ridgefill")
+    lexical_rank: str = flag("bm25", "the lexical net's order of sentences: bm25 (Okapi BM25, "
+                                     "the question at the prompt's end weighted most) or shared "
+                                     "(the seed's: most shared rare words)",
+                             choices=("bm25", "shared"), group="ridgefill")
 
     prefix_cache: bool = flag(False, "reuse cached prompt prefixes at token granularity",
                               group="prefix")
@@ -310,7 +314,8 @@ class ServeArgs:
                              selector=self.selector, budget=self.budget,
                              value_rescale=self.value_rescale, key_rescale=self.key_rescale,
                              terminal_correction=self.terminal_correction,
-                             lexical=self.lexical, fill_dtype=self.fill_dtype)
+                             lexical=self.lexical, lexical_rank=self.lexical_rank,
+                             fill_dtype=self.fill_dtype)
 
     def engine_options(self) -> EngineOptions:
         """An engine's settings: the embedded one's, or each prefill replica's on Ray."""

@@ -126,7 +126,7 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     # prefill extensions: "exact" | "ridgefill", and RidgeFill overrides
     # ({split, tail, fill, selector, budget, value_rescale, key_rescale, terminal_correction,
-    #   seed, sink_rows, lexical})
+    #   seed, sink_rows, lexical, lexical_rank})
     prefill_mode: str | None = None
     ridgefill: dict | None = None
     # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states

@@ -17,6 +17,7 @@ sentences in the exact rows; a distractor needle shares the sentence frame but n
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -72,22 +73,41 @@ class Lexicon:
     def special_rows(self, ids: list[int], p: int) -> list[int]:
         return [i for i in range(p) if ids[i] in self.special]
 
-    def net(self, ids: list[int], p: int, cap: int, *, query_tokens: int = 64,
-            min_shared: int = 4, max_count: int = 2, sentence_rows: int = 80) -> list[int]:
-        """Rows (sorted) of the nominated prefix sentences, at most `cap` of them. `p`: the
-        prefix end (rows ≥ p are exact anyway); the query is the whole prompt's last
-        `query_tokens` content tokens, and sentences reaching into it are not nominated
-        (with a short tail they would share every word with it)."""
-        if cap <= 0 or p <= 0:
+    def nominate(self, ids: list[int], p: int, *, query_tokens: int = 64, min_shared: int = 4,
+                 max_count: int = 2, rank: str = "bm25", k1: float = 1.2, b: float = 0.75,
+                 half_life: float = 16.0) -> list[Nomination]:
+        """The nominated prefix sentences, best first. `p`: the prefix end (rows ≥ p are
+        exact anyway); the query is the whole prompt's last `query_tokens` content tokens,
+        and sentences reaching into it are not nominated (with a short tail they would
+        share every word with it).
+
+        A sentence is nominated when it shares `min_shared` words with the query and holds
+        a word seen at most `max_count` times in the prefix (the seed's rule). `rank`:
+
+            bm25    Okapi BM25 over the prefix's sentences (idf from how many sentences
+                    hold a word; term counts saturated by `k1` and normalised by sentence
+                    length with `b`), each query word weighted 2^(−d / half_life), d the
+                    distance of its last occurrence from the prompt's end in content
+                    tokens (half_life 0: unweighted)
+            shared  the seed's order: most shared rare words, then most shared words
+
+        The query window is mostly haystack when the question is short: unweighted, long
+        haystack sentences sharing its stop words and a rare word outrank the needle."""
+        if p <= 0:
             return []
+        if rank not in RANKS:
+            raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
         words = self.words(ids)
         content = [i for i, t in enumerate(ids) if 0 <= t < len(self.letters) and self.letters[t]]
         q0 = content[-query_tokens] if len(content) >= query_tokens else (
             content[0] if content else len(ids))
-        query = {w for w, first in words if first >= q0}
+        left = {row: len(content) - 1 - k for k, row in enumerate(content)}
+        weight = {w: 2.0 ** (-left.get(first, 0) / half_life) if half_life > 0 else 1.0
+                  for w, first in words if first >= q0}        # the last occurrence wins
         counts = Counter(w for w, first in words if first < p)
         rare = {w for w, c in counts.items() if c <= max_count}
-        # sentences of the prefix: [start, end) cut after every sentence-ending token
+        # sentences of the prefix: [start, end) cut after every sentence-ending token, each
+        # with its words' counts and first rows
         bounds, start = [], 0
         for i in range(p):
             if 0 <= ids[i] < len(self.ends_sentence) and self.ends_sentence[ids[i]]:
@@ -95,20 +115,67 @@ class Lexicon:
                 start = i + 1
         if start < p:
             bounds.append((start, p))
-        nominated, j = [], 0
+        sentences, j = [], 0
         prefix_words = [(w, first) for w, first in words if first < p]
-        for a, b in bounds:
-            sentence = set()
-            while j < len(prefix_words) and prefix_words[j][1] < b:
-                sentence.add(prefix_words[j][0])
+        for a, b_ in bounds:
+            bag, at = Counter(), {}
+            while j < len(prefix_words) and prefix_words[j][1] < b_:
+                w, first = prefix_words[j]
+                bag[w] += 1
+                at.setdefault(w, first)
                 j += 1
-            shared = sentence & query
+            sentences.append((a, b_, bag, at))
+        df = Counter(w for _, _, bag, _ in sentences for w in bag)
+        n_sent = len(sentences)
+        avg_len = sum(sum(bag.values()) for _, _, bag, _ in sentences) / max(1, n_sent)
+        out = []
+        for a, b_, bag, at in sentences:
+            shared = bag.keys() & weight.keys()
             # a sentence inside the query window matches itself: the net looks before it
-            if b <= q0 and len(shared) >= min_shared and sentence & rare:
-                nominated.append((-len(shared & rare), -len(shared), a, b))
+            if b_ > q0 or len(shared) < min_shared or not bag.keys() & rare:
+                continue
+            # each shared word's share of the score; the best one anchors long sentences
+            idf = {w: math.log(1 + (n_sent - df[w] + 0.5) / (df[w] + 0.5)) for w in shared}
+            if rank == "shared":
+                score = len(shared & rare) + len(shared) / (len(weight) + 1)
+                part = {w: (w in rare) + idf[w] * 1e-6 for w in shared}
+            else:
+                norm = k1 * (1 - b + b * sum(bag.values()) / max(avg_len, 1e-9))
+                part = {w: weight[w] * idf[w] * bag[w] * (k1 + 1) / (bag[w] + norm)
+                        for w in shared}
+                score = sum(part.values())
+            anchor = at[max(sorted(shared), key=part.get)]
+            out.append(Nomination(score, len(shared), a, b_, anchor))
+        return sorted(out, key=lambda n: (-n.score, -n.shared, n.start))
+
+    def net(self, ids: list[int], p: int, cap: int, *, sentence_rows: int = 80,
+            lead_rows: int = 8, **nominate) -> list[int]:
+        """Rows (sorted) of the nominated prefix sentences (`nominate`), best first, at most
+        `sentence_rows` of each and `cap` in all. A sentence longer than `sentence_rows`
+        gives the rows from `lead_rows` before its best-matching word on (a needle stated
+        after an unpunctuated stretch shares a sentence with it), else from its start."""
+        if cap <= 0:
+            return []
         rows: list[int] = []
-        for _, _, a, b in sorted(nominated):
-            rows += range(a, min(b, a + sentence_rows, a + cap - len(rows)))
+        for nom in self.nominate(ids, p, **nominate):
+            a = nom.start
+            if nom.end - nom.start > sentence_rows:
+                a = max(nom.start, min(nom.anchor - lead_rows, nom.end - sentence_rows))
+            rows += range(a, min(nom.end, a + sentence_rows, a + cap - len(rows)))
             if len(rows) >= cap:
                 break
         return sorted(rows)
+
+
+RANKS = ("bm25", "shared")
+
+
+@dataclass(frozen=True)
+class Nomination:
+    """A prefix sentence the lexical net nominates: rows [start, end), its score under the
+    ranking, how many query words it shares, and the row of its best-matching word."""
+    score: float
+    shared: int
+    start: int
+    end: int
+    anchor: int

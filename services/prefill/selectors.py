@@ -56,7 +56,7 @@ def lexical_rows(lexicon, s: FillSettings, ids: torch.Tensor, p: int, budget: in
     first, up to `lexical`·P of the budget, the rest of the budget by the probe's
     attention; the prefix's special tokens on top, outside the budget."""
     ids_list = ids.tolist()
-    lex = lexicon.net(ids_list, p, min(budget, int(round(s.lexical * p))))
+    lex = lexicon.net(ids_list, p, min(budget, int(round(s.lexical * p))), rank=s.lexical_rank)
     special = lexicon.special_rows(ids_list, p)
     lex_rows = torch.tensor(lex, dtype=torch.long, device=scores.device)
     ranked = scores.clone()

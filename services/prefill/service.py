@@ -23,7 +23,7 @@ from services.prefill.settings import FillError, FillSettings
 
 PREFILL_MODES = ("exact", "ridgefill")
 OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "key_rescale",
-               "terminal_correction", "seed", "sink_rows", "lexical")
+               "terminal_correction", "seed", "sink_rows", "lexical", "lexical_rank")
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class PrefillConfig:
     key_rescale: int = 0
     terminal_correction: bool = False
     lexical: float = 0.05            # the probe's lexical-net share (needs the tokenizer)
+    lexical_rank: str = "bm25"       # the net's order (settings.LEXICAL_RANKS)
     fill_dtype: str = "model"        # filled rows' map and projections: model | bfloat16
 
     def __post_init__(self):
@@ -71,7 +72,8 @@ class PrefillService:
                                     value_rescale=config.value_rescale,
                                     key_rescale=config.key_rescale,
                                     terminal_correction=config.terminal_correction,
-                                    lexical=config.lexical)
+                                    lexical=config.lexical,
+                                    lexical_rank=config.lexical_rank)
         # fail at startup, not on the first request: the defaults serve every request that
         # asks for RidgeFill, also when exact is the server's default mode
         if config.mode == "ridgefill" or config.maps_dir:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 FILLS = ("ridge", "identity", "none")
 SELECTORS = ("none", "attention", "question-blind", "protected", "probe", "random")
+LEXICAL_RANKS = ("bm25", "shared")      # services.prefill.lexicon.RANKS
 
 
 class FillError(ValueError):
@@ -35,6 +36,8 @@ class FillSettings:
     probe_rows: int = 256        # probe selector's rows
     lexical: float = 0.05        # probe: share of prefix rows reserved within the budget for
                                  # the lexical net's sentences (seed 000's 27B probe: 5%)
+    lexical_rank: str = "bm25"   # the net's order: bm25 (recency-weighted query) | shared
+                                 # (the seed's: most shared rare words, then shared words)
 
     def validate(self, num_layers: int) -> None:
         """Every field's type and range (request fields arrive as JSON: a string, null or
@@ -67,6 +70,9 @@ class FillSettings:
         _check_int("probe_rows", self.probe_rows, 1)
         if not _is_share(self.lexical):
             raise FillError(f"lexical is a share of prefix rows in [0, 1], got {self.lexical!r}")
+        if not isinstance(self.lexical_rank, str) or self.lexical_rank not in LEXICAL_RANKS:
+            raise FillError(f"lexical_rank must be one of {LEXICAL_RANKS}, "
+                            f"got {self.lexical_rank!r}")
 
     @property
     def key_rescale_rows(self) -> int:

@@ -43,7 +43,7 @@ def test_items_have_the_asked_length_and_one_needle(tok, family, length):
         text = tok.decode(it.prompt_ids)
         value = it.answers[0]
         # the needle states its value (the passkey twice), and nothing else does
-        assert text.count(value) == (2 if family == "passkey" else 1)
+        assert text.count(value) == (2 if family.startswith("passkey") else 1)
         assert value in needle_of(it, tok)
         positions.append(it.needle_positions[0])
     # depths spread from 5% to 95%: the needle moves through the haystack

@@ -14,7 +14,8 @@ from services.prefill.settings import FillError, FillSettings
 PIECES = ["<|endoftext|>", "<|im_start|>", ".", "?", ":", "Ċ", "Ġ1234", "567",
           "ĠThe", "Ġthe", "Ġspecial", "Ġmagic", "Ġnumber", "Ġfor", "Ġhar", "bor", "Ġis",
           "ĠRemember", "Ġit", "Ġcopper", "ĠWhat", "Ġlists", "Ġand", "Ġdicts", "Ġsort",
-          "Ġa", "Ġlist", "Ġin", "Ġplace", "Ġreturns", "ĠNone", "Ġkeys", "Ġvalues"]
+          "Ġa", "Ġlist", "Ġin", "Ġplace", "Ġreturns", "ĠNone", "Ġkeys", "Ġvalues",
+          "Ġyou", "Ġmay", "Ġcopy", "Ġsource", "Ġcode", "Ġwith", "Ġwritten", "Ġoffer", "Ġto"]
 VOCAB = 1024                       # the tiny checkpoints' vocabulary; ids past PIECES: no text
 
 
@@ -153,3 +154,64 @@ def test_net_skips_sentences_inside_the_query_window():
     needle_at = len(ids_of(FILLER * 6))
     assert rows == list(range(needle_at, needle_at + 12)) + list(range(needle_at + 15,
                                                                        needle_at + 26))
+
+
+# a question too short to fill the query window: the window's other words are the
+# haystack's last sentence, which a long haystack sentence elsewhere shares
+LONG = ("_you _may _copy _the _source _code _with _a _written _offer _to _sort _a _list _in "
+        "_place _and _keys _and _values _returns _None . ")
+SHORT_NEEDLE = "_The _number _for _har bor _is _1234 567 . "
+HAYSTACK_END = "_you _may _copy _the _source _code _with _a _written _offer _to _you . "
+SHORT_QUESTION = "Ċ _What _is _the _number _for _har bor ? Ċ _The _number _for _har bor _is"
+
+
+def test_bm25_ranks_the_question_over_the_haystack_it_ends():
+    text = (FILLER * 2 + LONG + FILLER * 2 + SHORT_NEEDLE + GAP + "_sort _a _list . "
+            + HAYSTACK_END + SHORT_QUESTION)
+    ids = ids_of(text)
+    tail = len(ids_of("_sort _a _list . " + HAYSTACK_END + SHORT_QUESTION))
+    p = len(ids) - tail
+    long_at = len(ids_of(FILLER * 2))
+    needle_at = len(ids_of(FILLER * 2 + LONG + FILLER * 2))
+    needle = list(range(needle_at, needle_at + len(ids_of(SHORT_NEEDLE))))
+    # both are nominated: ≥ 4 shared words and a word seen once ("written", "harbor")
+    by_start = {n.start: n for n in LEX.nominate(ids, p)}
+    assert {long_at, needle_at} <= set(by_start)
+    # the seed's order: the long sentence shares more rare words (source, code, written,
+    # offer) with the haystack's end than the needle does with the question
+    seed = LEX.nominate(ids, p, rank="shared")
+    assert seed[0].start == long_at
+    assert LEX.net(ids, p, cap=len(needle), rank="shared") == list(
+        range(long_at, long_at + len(needle)))
+    # BM25 with the query weighted toward the prompt's end puts the needle first
+    assert LEX.nominate(ids, p)[0].start == needle_at
+    assert LEX.net(ids, p, cap=len(needle)) == needle
+    # unweighted (half_life 0), the long sentence's rare words win again
+    assert LEX.nominate(ids, p, half_life=0)[0].start == long_at
+    with pytest.raises(ValueError, match="rank"):
+        LEX.nominate(ids, p, rank="tfidf")
+
+
+def test_net_takes_a_long_sentences_rows_around_its_best_word():
+    """A needle stated after an unpunctuated stretch shares one long sentence with it: the
+    rows kept start `lead_rows` before the best-matching word, not at the sentence's start."""
+    run_on = "_sort _a _list _in _place _returns _None _keys _and _values " * 6
+    text = FILLER * 3 + run_on + SHORT_NEEDLE + GAP + SHORT_QUESTION
+    ids = ids_of(text)
+    p = len(ids) - len(ids_of(SHORT_QUESTION))
+    start = len(ids_of(FILLER * 3))
+    needle_at = start + len(ids_of(run_on))
+    value = needle_at + 6                                   # "1234 567"
+    (nom,) = LEX.nominate(ids, p)
+    assert (nom.start, nom.end) == (start, needle_at + 9)
+    # a word of the needle's (the filler never says "number", "harbor" or "is")
+    assert needle_at < nom.anchor < value
+    # from 4 rows before it, moved back to stay inside the sentence: its last 16 rows
+    rows = LEX.net(ids, p, cap=100, sentence_rows=16, lead_rows=4)
+    assert rows == list(range(nom.end - 16, nom.end))
+    assert {value, value + 1} <= set(rows)
+    # from the sentence's start, its first 16 rows miss the needle
+    head = LEX.net(ids, p, cap=100, sentence_rows=16, lead_rows=10**6)
+    assert head == list(range(start, start + 16)) and value not in head
+    # a sentence no longer than sentence_rows is taken whole, from its start
+    assert LEX.net(ids, p, cap=200, sentence_rows=80) == list(range(start, needle_at + 9))

@@ -405,7 +405,8 @@ def test_bad_settings_fail_before_work(four_layer, monkeypatch):
     # JSON of the wrong type: refused as FillError naming the field, not met as a TypeError
     wrong_type = {"split": True, "tail": "8", "budget": "0.1", "value_rescale": 2.0,
                   "key_rescale": -1, "terminal_correction": "yes", "seed": None,
-                  "selector": ["probe"], "sink_rows": 1.5, "lexical": None}
+                  "selector": ["probe"], "sink_rows": 1.5, "lexical": None,
+                  "lexical_rank": "tfidf"}
     for field, value in wrong_type.items():
         with pytest.raises(FillError, match=field):
             svc.resolve("ridgefill", {field: value}, 100)

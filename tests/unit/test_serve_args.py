@@ -34,7 +34,7 @@ def test_every_field_is_one_flag_with_help():
     actions = {a.option_strings[0]: a for a in serve_parser()._actions
                if a.option_strings and a.dest != "help"}
     names = [flag_name(f.name) for f in dataclasses.fields(ServeArgs)]
-    assert sorted(actions) == sorted(names) and len(names) == 57
+    assert sorted(actions) == sorted(names) and len(names) == 58
     for f in dataclasses.fields(ServeArgs):
         action = actions[flag_name(f.name)]
         assert action.dest == f.name
@@ -68,7 +68,7 @@ def test_flags_reach_the_embedded_configs():
                  "--maps", "maps/x", "--maps-streamed", "--fill-dtype", "bfloat16",
                  "--split", "5", "--tail", "128", "--selector", "probe", "--budget", "0.2",
                  "--value-rescale", "64", "--key-rescale", "32", "--terminal-correction",
-                 "--lexical", "0.1", "--prefix-cache", "--prefix-cache-bytes", "4096",
+                 "--lexical", "0.1", "--lexical-rank", "shared", "--prefix-cache", "--prefix-cache-bytes", "4096",
                  "--prefix-block-size", "32", "--redis-url", "redis://h:1/0",
                  "--reuse-filled", "--replay-ratio", "0.05")
     assert not args.uses_cluster and args.torch_threads == 4
@@ -76,7 +76,7 @@ def test_flags_reach_the_embedded_configs():
     assert args.prefill_config() == PrefillConfig(
         mode="ridgefill", maps_dir="maps/x", resident=False, split=5, tail=128,
         selector="probe", budget=0.2, value_rescale=64, key_rescale=32,
-        terminal_correction=True, lexical=0.1, fill_dtype="bfloat16")
+        terminal_correction=True, lexical=0.1, lexical_rank="shared", fill_dtype="bfloat16")
     assert args.engine_options() == EngineOptions(
         max_num_seqs=3, kv_cache_bytes=1 << 29, prefill=args.prefill_config(),
         prefix_cache_bytes=4096, prefix_block_size=32, redis_url="redis://h:1/0",
@@ -138,6 +138,7 @@ def test_api_key_from_flag_or_environment(monkeypatch):
     ({"tail": -1}, "--tail"),
     ({"budget": 1.5}, "--budget"),
     ({"lexical": -0.1}, "--lexical"),
+    ({"lexical_rank": "tfidf"}, "--lexical-rank"),
     ({"value_rescale": -1}, "--value-rescale"),
     ({"replay_ratio": 2.0}, "--replay-ratio"),
     ({"prefix_block_size": 0}, "--prefix-block-size"),
