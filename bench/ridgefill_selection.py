@@ -25,6 +25,14 @@ and for each item the script records:
         --split 15 --lengths 2048,4096 --families passkey,niah_single_2 --n-items 4 \\
         [--variant probe] [--variant name:lexical=0.1,budget=0.1] [--threads 2]
 
+With --net-only no model runs: for many items it counts those whose value (its rows and
+the two before them, in the pass key's first or second statement) the lexical net alone
+keeps exact, per family and length, under each of its orders (`shared`: the seed's; `bm25`) and shares of the prefix
+(seconds for hundreds of items):
+
+    python bench/ridgefill_selection.py --model models/zoo/smollm2-135m --net-only \\
+        --lengths 1024,2048,4096,8192 --n-items 12 --seed 1
+
 Nothing is asserted; the figures say which ranking dropped the needle.
 """
 from __future__ import annotations
@@ -81,6 +89,15 @@ def needle_rows(tokenizer, ids: list[int], start: int, value: str) -> range:
         if value in tokenizer.decode(ids[start:start + k]):
             return range(start, start + k)
     raise ValueError("the value does not follow the needle position")
+
+
+def value_rows(tokenizer, ids: list[int], rows: range, value: str, before: int = 2) -> range:
+    """The rows of `rows` that state `value` (its shortest suffix that does), and `before`
+    rows ahead of them."""
+    start = rows.stop - 1
+    while start > rows.start and value not in tokenizer.decode(ids[start:rows.stop]):
+        start -= 1
+    return range(max(rows.start, start - before), rows.stop)
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -147,7 +164,7 @@ def lexical_place(lexicon: Lexicon, ids, p, rows: range, cap: int, **net) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
-    ap.add_argument("--maps", required=True)
+    ap.add_argument("--maps", help="RidgeFill maps (not needed with --net-only)")
     ap.add_argument("--split", type=int, default=15)
     ap.add_argument("--tail", type=int, default=256)
     ap.add_argument("--lengths", default="2048")
@@ -158,8 +175,16 @@ def main() -> None:
     ap.add_argument("--no-exact", action="store_true", help="skip the exact reference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write every item's record here")
+    ap.add_argument("--seed", type=int, default=0, help="the items' seed")
+    ap.add_argument("--net-only", action="store_true",
+                    help="count the needles the lexical net alone covers (no model runs)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.net_only:
+        net_coverage(args)
+        return
+    if not args.maps:
+        ap.error("--maps is required unless --net-only")
 
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=torch.float32)
@@ -178,7 +203,7 @@ def main() -> None:
           f"upper attention layers {fa[0]}..{fa[-1]}")
     for length in map(int, args.lengths.split(",")):
         for fam in args.families.split(","):
-            items = make_family_items(fam, tokenizer, length, args.n_items)
+            items = make_family_items(fam, tokenizer, length, args.n_items, args.seed)
             for j, item in enumerate(items):
                 rows = needle_rows(tokenizer, item.prompt_ids, item.needle_positions[0],
                                    item.answers[0])
@@ -206,6 +231,49 @@ def main() -> None:
     print(table(records, [v[0] for v in variants]))
     if args.json:
         Path(args.json).write_text(json.dumps(records, indent=1))
+
+
+NET_ORDERS = (("shared", 0.05), ("bm25", 0.05), ("bm25", 0.10))
+
+
+def net_coverage(args) -> None:
+    """Needles the lexical net alone keeps exact (rank, share of the prefix), per family
+    and length, with the tail as in the fill."""
+    from models.config import ModelConfig
+
+    tokenizer = load_tokenizer(args.model)
+    lexicon = Lexicon.from_tokenizer(tokenizer, ModelConfig.from_pretrained(args.model).vocab_size)
+    names = [f"{rank} {share:.0%}" for rank, share in NET_ORDERS]
+    lines = ["| family | length | needles in the prefix | " + " | ".join(names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    totals, count = [0] * len(NET_ORDERS), 0
+    for length in map(int, args.lengths.split(",")):
+        for fam in args.families.split(","):
+            hits, n = [0] * len(NET_ORDERS), 0
+            for item in make_family_items(fam, tokenizer, length, args.n_items, args.seed):
+                ids, pos = item.prompt_ids, item.needle_positions[0]
+                p = len(ids) - args.tail
+                rows = needle_rows(tokenizer, ids, pos, item.answers[0])
+                if rows.stop > p:
+                    continue                   # the value sits in the exact tail
+                n += 1
+                # the value's rows and the two before them ("is:"), in either statement of
+                # the pass key
+                spans = [value_rows(tokenizer, ids, rows, item.answers[0])]
+                if fam.startswith("passkey"):
+                    again = needle_rows(tokenizer, ids, rows.stop, item.answers[0])
+                    spans.append(value_rows(tokenizer, ids, again, item.answers[0]))
+                for i, (rank, share) in enumerate(NET_ORDERS):
+                    kept = set(lexicon.net(ids, p, int(round(share * p)), rank=rank))
+                    hits[i] += any(set(span) <= kept for span in spans if span.stop <= p)
+            count += n
+            totals = [a + b for a, b in zip(totals, hits)]
+            lines.append(f"| {fam} | {length} | {n} | " + " | ".join(
+                f"{h}/{n}" for h in hits) + " |")
+    lines.append(f"| all | | {count} | " + " | ".join(
+        f"**{t}/{count}** ({t / max(1, count):.0%})" for t in totals) + " |")
+    print(f"items: seed {args.seed}, {args.n_items} per family and length; tail {args.tail}")
+    print("\n".join(lines))
 
 
 def summary_line(line: dict, names: list[str]) -> str:

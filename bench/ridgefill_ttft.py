@@ -19,6 +19,11 @@ time, only their shapes). Also prints the map memory.
                                    [--selector none --budget 0.1] [--fill-dtypes model,bfloat16]
                                    [--device cuda --dtype bfloat16 --gdn-kernel triton]
 
+With `--model DIR --maps DIR` a real checkpoint and its `splitstack calibrate` maps are timed
+instead, on held-out retrieval prompts (`niah_single_2`, licence texts) of each length, the
+probe's lexical net on when the selector is the probe: the settings `splitstack eval`
+measures the quality of.
+
 `--context-rows c` calibrates maps that also read the c previous rows' split states (the
 map's input grows from d to d·(1+c) features; c = 0 is the paper's map). `--selector probe
 --budget 0.3` times the quality mode (30% of the prefix exact, chosen by the two-sweep
@@ -122,9 +127,50 @@ def bench_family(family: str, lengths: list[int], tail: int, reps: int, tmp: Pat
     return rows
 
 
+def bench_checkpoint(model_dir: str, maps_dir: str, lengths: list[int], tail: int, reps: int,
+                     selector: str, budget: float, split: int | None = None) -> list[dict]:
+    """Exact vs RidgeFill TTFT of a real checkpoint on held-out prompts (text, so the probe's
+    lexical net runs as served)."""
+    from evals.heldout.families import make_family_items
+    from services.common.tokenizer import load_tokenizer
+    from services.prefill.lexicon import Lexicon
+
+    model = load_model(model_dir)
+    tokenizer = load_tokenizer(model_dir)
+    L = model.config.num_hidden_layers
+    split = split or L // 2
+    svc = PrefillService(model, PrefillConfig(mode="ridgefill", maps_dir=maps_dir, split=split,
+                                              tail=tail, selector=selector, budget=budget),
+                         lexicon=Lexicon.from_tokenizer(tokenizer, model.config.vocab_size))
+    fill, exact = svc.default, FillSettings(split=L, tail=0)
+    name = Path(model_dir).name
+    rows = []
+    for n in lengths:
+        ids = make_family_items("niah_single_2", tokenizer, n, 1, seed=7)[0].prompt_ids
+        svc.prefill(ids[:512], exact)                            # warm the kernels
+        svc.prefill(ids[:1024], fill)
+        t_exact, t_fill = [], []
+        for _ in range(reps):                                    # alternate the arms
+            t_exact.append(timed(lambda: svc.prefill(ids, exact)))
+            t_fill.append(timed(lambda: svc.prefill(ids, fill)))
+        e, f = statistics.median(t_exact), statistics.median(t_fill)
+        speedup = statistics.median(a / b for a, b in zip(t_exact, t_fill))
+        bound = 1.0 / fill.compute_share(L, n)
+        rows.append({"family": name, "n": n, "S": split, "L": L, "T": tail,
+                     "c": svc.maps(split).context_rows, "fill_dtype": "model", "exact_s": e,
+                     "ridgefill_s": f, "speedup": speedup, "bound": bound,
+                     "share": speedup / bound, "streamed_s": float("nan")})
+        print(f"{name:>9} N={n:>6}: exact {e:7.2f}s  ridgefill {f:7.2f}s  speedup "
+              f"{speedup:.2f}× / bound {bound:.2f}× = {100 * speedup / bound:.0f}%", flush=True)
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--families", default="qwen3,qwen3_5")
+    ap.add_argument("--model", help="a real checkpoint instead of the random bench configs")
+    ap.add_argument("--maps", help="with --model: its maps from splitstack calibrate")
+    ap.add_argument("--split", type=int, help="with --model: the maps' split (half depth)")
     ap.add_argument("--lengths", default="2048,4096,8192,16384")
     ap.add_argument("--tail", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
@@ -158,8 +204,13 @@ def main() -> int:
     kept = not args.malloc_default and keep_freed_memory()
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = []
+    if args.model:
+        if not args.maps:
+            raise SystemExit("--model needs --maps")
+        rows = bench_checkpoint(args.model, args.maps, lengths, args.tail, args.reps,
+                                args.selector, args.budget, args.split)
     with tempfile.TemporaryDirectory() as tmp:
-        for family in args.families.split(","):
+        for family in ([] if args.model else args.families.split(",")):
             rows += bench_family(family, lengths, args.tail, args.reps, Path(tmp),
                                  args.context_rows, args.selector, args.budget, args.device,
                                  getattr(torch, args.dtype), tuple(args.fill_dtypes.split(",")))
@@ -179,11 +230,14 @@ def main() -> int:
         print(f"| {r['family']} | {r['n']} | {r['S']}/{r['L']} | {r['T']} | {r['c']} | "
               f"{r['fill_dtype']} | {r['exact_s']:.2f} | "
               f"{r['ridgefill_s']:.2f} | {r['speedup']:.2f}× | {r['bound']:.2f}× | "
-              f"{100 * r['share']:.0f}% | {r['streamed_s']:.2f} |")
+              f"{100 * r['share']:.0f}% | "
+              f"{'–' if r['streamed_s'] != r['streamed_s'] else format(r['streamed_s'], '.2f')} |")
     seen = set()
     for r in rows:
         if r["family"] not in seen:
             seen.add(r["family"])
+            if "maps_resident_mib" not in r:
+                continue
             print(f"maps {r['family']}: resident {r['maps_resident_mib']:.1f} MiB in memory, "
                   f"streamed peak {r['maps_streamed_peak_mib']:.1f} MiB (one layer), "
                   f"{r['maps_file_mib']:.1f} MiB on disk (bf16)")
