@@ -105,8 +105,8 @@ def parse_variant(text: str) -> tuple[str, dict]:
     opts = {}
     for kv in filter(None, body.split(",")):
         key, _, val = kv.partition("=")
-        opts[key] = type(getattr(FillSettings, key, 0.0))(float(val)) if key != "selector" \
-            else val
+        kind = type(getattr(FillSettings, key, 0.0))
+        opts[key] = val if kind is str else kind(float(val))
     return name, opts
 
 
