@@ -215,3 +215,33 @@ def test_net_takes_a_long_sentences_rows_around_its_best_word():
     assert head == list(range(start, start + 16)) and value not in head
     # a sentence no longer than sentence_rows is taken whole, from its start
     assert LEX.net(ids, p, cap=200, sentence_rows=80) == list(range(start, needle_at + 9))
+
+
+def test_the_nets_order_reaches_the_probes_rows(tiny_fill):
+    """`lexical_rank` picks which sentence the probe computes exactly: on a prompt whose
+    question is short, the seed's order takes the haystack sentence, BM25 the needle."""
+    from evals.arms import make_arm
+
+    model, maps = tiny_fill
+    text = (FILLER * 2 + LONG + FILLER * 2 + SHORT_NEEDLE + GAP + "_sort _a _list . "
+            + HAYSTACK_END + SHORT_QUESTION)
+    ids = ids_of(text)
+    tail = len(ids_of("_sort _a _list . " + HAYSTACK_END + SHORT_QUESTION))
+    p = len(ids) - tail
+    long_at = len(ids_of(FILLER * 2))
+    needle_at = len(ids_of(FILLER * 2 + LONG + FILLER * 2))
+    needle = set(range(needle_at, needle_at + len(ids_of(SHORT_NEEDLE))))
+    # the net's share holds the needle's 9 rows and no more; no attention rows beside it
+    share = len(needle) / p
+    exact_rows = {}
+    for rank in ("bm25", "shared"):
+        s = FillSettings(split=2, tail=tail, selector="probe", budget=share, lexical=share,
+                         lexical_rank=rank)
+        res = RidgeFill(model, maps, lexicon=LEX).prefill(ids, s)
+        exact_rows[rank] = set(res.exact_rows[res.exact_rows < p].tolist())
+    assert needle <= exact_rows["bm25"] and not needle & exact_rows["shared"]
+    assert long_at in exact_rows["shared"]
+    # the eval's arms: the probe ranks by BM25, `ridgefill+probe-shared` in the seed's order
+    for name, rank in (("ridgefill+probe", "bm25"), ("ridgefill+probe-shared", "shared")):
+        arm = make_arm(name, model, maps_dir=maps.path.parent, split=2, tail=tail, lexicon=LEX)
+        assert arm.settings.lexical_rank == rank and arm.settings.selector == "probe"
