@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from services.prefill.maps import WORD_START
+from services.prefill.settings import LEXICAL_RANKS
 
 LINE_BREAKS = ("Ċ", "\n", "<0x0A>")
 WORD_MARKS = WORD_START + LINE_BREAKS[:2]      # a token after a space or a line break
@@ -95,8 +96,8 @@ class Lexicon:
         haystack sentences sharing its stop words and a rare word outrank the needle."""
         if p <= 0:
             return []
-        if rank not in RANKS:
-            raise ValueError(f"rank must be one of {RANKS}, got {rank!r}")
+        if rank not in LEXICAL_RANKS:
+            raise ValueError(f"rank must be one of {LEXICAL_RANKS}, got {rank!r}")
         words = self.words(ids)
         content = [i for i, t in enumerate(ids) if 0 <= t < len(self.letters) and self.letters[t]]
         q0 = content[-query_tokens] if len(content) >= query_tokens else (
@@ -134,17 +135,18 @@ class Lexicon:
             # a sentence inside the query window matches itself: the net looks before it
             if b_ > q0 or len(shared) < min_shared or not bag.keys() & rare:
                 continue
-            # each shared word's share of the score; the best one anchors long sentences
             idf = {w: math.log(1 + (n_sent - df[w] + 0.5) / (df[w] + 0.5)) for w in shared}
             if rank == "shared":
                 score = len(shared & rare) + len(shared) / (len(weight) + 1)
-                part = {w: (w in rare) + idf[w] * 1e-6 for w in shared}
+                best = lambda w: (w in rare, idf[w])                  # noqa: E731
             else:
                 norm = k1 * (1 - b + b * sum(bag.values()) / max(avg_len, 1e-9))
                 part = {w: weight[w] * idf[w] * bag[w] * (k1 + 1) / (bag[w] + norm)
                         for w in shared}
                 score = sum(part.values())
-            anchor = at[max(sorted(shared), key=part.get)]
+                best = part.get
+            # the best-matching word anchors a long sentence's rows (`net`)
+            anchor = at[max(sorted(shared), key=best)]
             out.append(Nomination(score, len(shared), a, b_, anchor))
         return sorted(out, key=lambda n: (-n.score, -n.shared, n.start))
 
@@ -166,8 +168,6 @@ class Lexicon:
                 break
         return sorted(rows)
 
-
-RANKS = ("bm25", "shared")
 
 
 @dataclass(frozen=True)

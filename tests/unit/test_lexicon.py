@@ -165,15 +165,21 @@ HAYSTACK_END = "_you _may _copy _the _source _code _with _a _written _offer _to 
 SHORT_QUESTION = "Ċ _What _is _the _number _for _har bor ? Ċ _The _number _for _har bor _is"
 
 
-def test_bm25_ranks_the_question_over_the_haystack_it_ends():
-    text = (FILLER * 2 + LONG + FILLER * 2 + SHORT_NEEDLE + GAP + "_sort _a _list . "
-            + HAYSTACK_END + SHORT_QUESTION)
-    ids = ids_of(text)
-    tail = len(ids_of("_sort _a _list . " + HAYSTACK_END + SHORT_QUESTION))
-    p = len(ids) - tail
+def short_question_prompt():
+    """A prompt ending in SHORT_QUESTION after HAYSTACK_END, with LONG early on and
+    SHORT_NEEDLE later -> (ids, tail, long_at, needle_at, needle rows); the tail holds the
+    haystack's last sentence and the question."""
+    end = "_sort _a _list . " + HAYSTACK_END + SHORT_QUESTION
+    ids = ids_of(FILLER * 2 + LONG + FILLER * 2 + SHORT_NEEDLE + GAP + end)
     long_at = len(ids_of(FILLER * 2))
     needle_at = len(ids_of(FILLER * 2 + LONG + FILLER * 2))
     needle = list(range(needle_at, needle_at + len(ids_of(SHORT_NEEDLE))))
+    return ids, len(ids_of(end)), long_at, needle_at, needle
+
+
+def test_bm25_ranks_the_question_over_the_haystack_it_ends():
+    ids, tail, long_at, needle_at, needle = short_question_prompt()
+    p = len(ids) - tail
     # both are nominated: ≥ 4 shared words and a word seen once ("written", "harbor")
     by_start = {n.start: n for n in LEX.nominate(ids, p)}
     assert {long_at, needle_at} <= set(by_start)
@@ -223,14 +229,9 @@ def test_the_nets_order_reaches_the_probes_rows(tiny_fill):
     from evals.arms import make_arm
 
     model, maps = tiny_fill
-    text = (FILLER * 2 + LONG + FILLER * 2 + SHORT_NEEDLE + GAP + "_sort _a _list . "
-            + HAYSTACK_END + SHORT_QUESTION)
-    ids = ids_of(text)
-    tail = len(ids_of("_sort _a _list . " + HAYSTACK_END + SHORT_QUESTION))
+    ids, tail, long_at, needle_at, needle = short_question_prompt()
+    needle = set(needle)
     p = len(ids) - tail
-    long_at = len(ids_of(FILLER * 2))
-    needle_at = len(ids_of(FILLER * 2 + LONG + FILLER * 2))
-    needle = set(range(needle_at, needle_at + len(ids_of(SHORT_NEEDLE))))
     # the net's share holds the needle's 9 rows and no more; no attention rows beside it
     share = len(needle) / p
     exact_rows = {}
