@@ -124,6 +124,60 @@ def test_layer_types_keep_every_fourth_layer_at_the_phase():
         layer_types(30, 4)
 
 
+def test_layer_types_take_an_explicit_set():
+    from tools.zoo.hybrid_init import hybrid_config, layer_types
+
+    kinds = layer_types(30, fa_layers=[3, 17, 18])
+    assert [i for i, t in enumerate(kinds) if t == "full_attention"] == [3, 17, 18]
+    assert hybrid_config(PARENT, fa_layers=[3, 17, 18])["layer_types"] == kinds
+    for bad in ([], [30], [-1]):
+        with pytest.raises(ValueError):
+            layer_types(30, fa_layers=bad)
+
+
+def test_choose_layers_keeps_retrieval_layers_then_the_periodic_ones():
+    from tools.zoo.retrieval_heads import choose_layers
+
+    scores = torch.zeros(30, 9)
+    scores[18, 6], scores[17, 3], scores[23, 2], scores[14, 1] = 0.7, 0.5, 0.4, 0.1
+    assert choose_layers(scores, 6) == [3, 7, 11, 17, 18, 23]
+    assert choose_layers(scores, 2) == [17, 18]                  # the best two only
+    assert choose_layers(scores, 3, threshold=0.05) == [17, 18, 23]
+    assert choose_layers(scores, 4, threshold=0.05) == [14, 17, 18, 23]
+    assert choose_layers(torch.zeros(30, 9), 7) == [3, 7, 11, 15, 19, 23, 27]
+
+
+@pytest.mark.slow
+def test_parent_retrieval_heads_sit_in_the_upper_middle_layers():
+    """Measured on 4 train-family items: SmolLM2's copying heads are in layers 17-23, where
+    Qwen3.5's every-fourth-layer rule keeps only 19 and 23; the lowest layers do not copy."""
+    from services.common.tokenizer import load_tokenizer
+    from tools.zoo.retrieval_heads import copy_scores, train_items
+
+    items = train_items(load_tokenizer(PARENT), 4, 512, seed=1)
+    scores, steps = copy_scores(load_model(PARENT), items)
+    best = scores.max(-1).values
+    assert steps >= 8
+    assert ((0 <= scores) & (scores <= 1)).all()
+    assert best[17:24].max() >= 0.3 and best[:6].max() < 0.15
+    assert int(best.argmax()) in range(17, 24)
+
+
+def test_repeated_passage_haystack_repeats_one_short_passage():
+    import random
+
+    from services.common.tokenizer import load_tokenizer
+    from tools.zoo.derive import needle_batch, repeated_passage
+
+    tok = load_tokenizer(PARENT)
+    filler = tok(TEXT * 40, add_special_tokens=False)["input_ids"]
+    hay = repeated_passage(tok, filler, random.Random(0), 300)
+    period = next(p for p in range(1, 81) if hay[p:] == hay[:-p])
+    assert len(hay) >= 300 and period <= 80
+    ids, mask = needle_batch(tok, filler, 256, random.Random(3), repeated_share=1.0)
+    assert ids.shape[1] <= 256 and 1 <= int(mask.sum()) <= 12
+
+
 @pytest.mark.slow
 def test_distillation_steps_run_and_train(tmp_path):
     """`derive hybrid` trains through the chunked delta rule: two logit steps continued

@@ -97,6 +97,18 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
                  "--out", str(tmp_path / "m")]) in (0, None)
     assert (seen["init_delta"], seen["needle_len"], seen["answer_weight"], seen["kl_lr"]) == (
         "old.safetensors", 1024, 2.0, 3e-4)
+    seen.clear()
+    assert main(["derive", "hybrid", "--fa-layers", "21,3,17,3", "--repeated-share", "0.3",
+                 "--threads", "1", "--out", str(tmp_path / "m")]) in (0, None)
+    assert seen["fa_layers"] == [3, 17, 21] and seen["repeated_share"] == 0.3
+
+
+def test_derive_rejects_a_malformed_layer_list(capsys):
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main(["derive", "hybrid", "--fa-layers", "3,x"])
+    assert err.value.code == 2 and "--fa-layers" in capsys.readouterr().err
 
 
 def test_apply_hybrid_rebuilds_from_the_given_delta(monkeypatch, tmp_path):

@@ -13,11 +13,25 @@ from services.cli.argtypes import bounded
 from tools.commands import log
 
 
+def _layer_list(text: str) -> list[int]:
+    try:
+        layers = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 3,7,11, got {text!r}") \
+            from err
+    if not layers:
+        raise argparse.ArgumentTypeError("no layers given")
+    return layers
+
+
 def build_parser() -> argparse.ArgumentParser:
     der = argparse.ArgumentParser(prog="splitstack derive", description=__doc__)
-    der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid"],
+    der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid",
+                                      "retrieval-heads"],
                      help="qknorm / hybrid: calibrate + distil and store the delta; "
-                          "apply-*: rebuild the checkpoint from the stored delta")
+                          "apply-*: rebuild the checkpoint from the stored delta; "
+                          "retrieval-heads: the parent's copy scores per head and the "
+                          "layers a hybrid keeping them would keep")
     der.add_argument("--parent", default="models/zoo/smollm2-135m")
     der.add_argument("--out", help="default: models/zoo/smollm2-{qknorm,hybrid}")
     der.add_argument("--steps", type=int, help="KL distillation steps (default: the recipe's)")
@@ -29,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="share of distillation batches that are retrieval items")
     der.add_argument("--fa-phase", type=int, choices=range(4), default=None,
                      help="hybrid: layers i with i %% 4 == phase keep attention (default 3)")
+    der.add_argument("--fa-layers", type=_layer_list, default=None,
+                     help="hybrid: the layers that keep attention, e.g. 3,7,11,17,18,20,21,23 "
+                          "(overrides --fa-phase; `splitstack derive retrieval-heads` "
+                          "suggests a set)")
+    der.add_argument("--repeated-share", type=float, default=None,
+                     help="hybrid: share of retrieval items whose haystack is one "
+                          "calibration passage repeated (default 0)")
     der.add_argument("--delta", help="hybrid: where the delta goes, or (apply-hybrid) the "
                                      "one to rebuild from (default: the zoo's, "
                                      "models/zoo/deltas/smollm2-hybrid.safetensors)")
@@ -39,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--answer-weight", type=float,
                      help="hybrid: weight of the answer-token KL on retrieval items (default 1)")
     der.add_argument("--kl-lr", type=float, help="hybrid: learning rate of the logit stage")
+    der.add_argument("--items", type=bounded(1), default=16,
+                     help="retrieval-heads: train-family items to score")
+    der.add_argument("--num-fa", type=bounded(1), default=8,
+                     help="retrieval-heads: attention layers to suggest")
     der.add_argument("--threads", type=bounded(1), default=2)
     return der
 
@@ -60,14 +85,29 @@ def run(argv: list[str]) -> int:
             opts["layerwise_steps"] = args.layerwise_steps
         if args.fa_phase is not None:
             opts["fa_phase"] = args.fa_phase
+        if args.fa_layers is not None:
+            opts["fa_layers"] = args.fa_layers
         if args.delta:
             opts["delta_path"] = args.delta
-        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr"):
+        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share"):
             if getattr(args, key) is not None:
                 opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,
                                              needle_frac=args.needle_frac, **opts)
         print(json.dumps(recipe, indent=2))
+    elif args.what == "retrieval-heads":
+        from models.loader import load_model
+        from services.common.tokenizer import load_tokenizer
+        from tools.zoo import retrieval_heads
+
+        parent, tok = load_model(args.parent), load_tokenizer(args.parent)
+        items = retrieval_heads.train_items(tok, args.items, args.seq_len or 1024, args.seed)
+        scores, steps = retrieval_heads.copy_scores(parent, items)
+        print(f"copy mass per head, {args.items} train-family items, {steps} copy steps")
+        for l, row in enumerate(scores.tolist()):
+            print(f"layer {l:2d}  max {max(row):.2f}  " + " ".join(f"{v:.2f}" for v in row))
+        layers = retrieval_heads.choose_layers(scores, args.num_fa)
+        print("suggested: --fa-layers " + ",".join(map(str, layers)))
     elif args.what == "apply-hybrid":
         print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
     else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -124,13 +125,33 @@ def calibrate_qk(parent: CausalLM, batches: list[torch.Tensor]
     return state, pairs
 
 
-def needle_batch(tok, filler: list[int], seq_len: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+def repeated_passage(tok, filler: list[int], rng, length: int) -> list[int]:
+    """A haystack of one short passage of `filler` (2 to 4 of its sentences, at most 80
+    tokens) said over and over, `length` tokens or more: text whose next token is easy to
+    guess from the text just before, so the item rewards copying from the needle over
+    continuing the repetition."""
+    start = rng.randrange(0, max(1, len(filler) - 400))
+    text = " ".join(tok.decode(filler[start:start + 400]).split())
+    sentences = [s for s in re.split(r"(?<=[.!?])\s+", text)[1:-1] if len(s.split()) >= 3]
+    k = min(len(sentences), rng.randint(2, 4))
+    i = rng.randrange(0, len(sentences) - k + 1) if sentences else 0
+    passage = tok(" " + " ".join(sentences[i:i + k] or [text]),
+                  add_special_tokens=False)["input_ids"][:80]
+    return passage * (length // len(passage) + 1)
+
+
+def needle_batch(tok, filler: list[int], seq_len: int, rng,
+                 repeated_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval item from calibration text with its answer appended, and a mask of the
-    answer positions (where the parent's copying behaviour must be kept)."""
+    answer positions (where the parent's copying behaviour must be kept). With
+    `repeated_share`, that share of the items hide the needle in one calibration passage
+    repeated (`repeated_passage`) instead of running text."""
     from evals.tasks import make_item
 
     task = rng.choice(["single", "multikey", "word"])
     answer_len = 8
+    if repeated_share and rng.random() < repeated_share:
+        filler = repeated_passage(tok, filler, rng, seq_len)
     item = make_item(task, tok, filler, seq_len - answer_len, rng.random(), rng,
                      rng.randrange(2))
     answer = tok(" " + item.answers[0] + ".", add_special_tokens=False)["input_ids"]

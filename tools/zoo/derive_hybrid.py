@@ -120,10 +120,12 @@ def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
     parent_dir, out_dir = Path(parent_dir), Path(out_dir)
     delta_path = delta_path or DELTA
     recipe = delta_recipe(delta_path)
-    cfg_dict = hybrid_config(parent_dir, recipe.get("fa_phase", LEGACY_FA_PHASE))
+    cfg_dict = hybrid_config(parent_dir, recipe.get("fa_phase", LEGACY_FA_PHASE),
+                             recipe.get("fa_layers"))
     if recipe.get("layer_types", cfg_dict["layer_types"]) != cfg_dict["layer_types"]:
         raise ValueError(f"{delta_path}: recorded layer_types {recipe['layer_types']} do not "
-                         f"match fa_phase {recipe.get('fa_phase', LEGACY_FA_PHASE)}")
+                         f"match fa_phase {recipe.get('fa_phase', LEGACY_FA_PHASE)} / "
+                         f"fa_layers {recipe.get('fa_layers')}")
     plain, lora = decode_delta(load_file(str(delta_path)))
     state = base_state(read_state_dict(parent_dir, torch.float32),
                        ModelConfig.from_hf(cfg_dict))
@@ -180,8 +182,9 @@ def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
 def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_steps: int = 60,
                   steps: int = 120, seq_len: int = 512, rank: int = 48,
                   lr: float = 3e-3, kl_lr: float = 5e-4, seed: int = 0,
-                  fa_phase: int = FA_PHASE, needle_frac: float = 0.0,
-                  needle_len: int | None = None, answer_weight: float = 1.0,
+                  fa_phase: int = FA_PHASE, fa_layers: list[int] | None = None,
+                  needle_frac: float = 0.0, needle_len: int | None = None,
+                  answer_weight: float = 1.0, repeated_share: float = 0.0,
                   init_delta: str | Path | None = None,
                   delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
@@ -210,8 +213,9 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     if init_delta is not None:
         parent_recipe = delta_recipe(init_delta)
         fa_phase = parent_recipe.get("fa_phase", LEGACY_FA_PHASE)
+        fa_layers = parent_recipe.get("fa_layers")
         layerwise_steps = 0
-    cfg_dict = hybrid_config(parent_dir, fa_phase)
+    cfg_dict = hybrid_config(parent_dir, fa_phase, fa_layers)
     cfg = ModelConfig.from_hf(cfg_dict)
     base = base_state(read_state_dict(parent_dir, torch.float32), cfg)
     if init_delta is None:
@@ -257,7 +261,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     for step in range(steps):
         b, answer = batch(layerwise_steps + step), None
         if rng.random() < needle_frac:
-            b, answer = needle_batch(tok, filler, needle_len or seq_len, rng)
+            b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share)
         with torch.no_grad():
             teacher = torch.log_softmax(train_logits(parent, b), -1)
         student = torch.log_softmax(train_logits(child, b), -1)
@@ -278,10 +282,12 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                 + f" ({time.perf_counter() - start:.0f}s)")
     seconds = round(time.perf_counter() - start)
     recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
-              "fa_phase": fa_phase, "layer_types": cfg_dict["layer_types"],
+              "fa_phase": fa_phase, "fa_layers": fa_layers,
+              "layer_types": cfg_dict["layer_types"],
               "layerwise_steps": layerwise_steps, "steps": steps, "seq_len": seq_len,
               "rank": rank, "lr": lr, "kl_lr": kl_lr, "seed": seed, "needle_frac": needle_frac,
               "needle_len": needle_len or seq_len, "answer_weight": answer_weight,
+              "repeated_share": repeated_share,
               "continued_from": parent_recipe,
               "answer_kl_last10": (sum(answer_kl[-10:]) / len(answer_kl[-10:])
                                    if answer_kl else None),

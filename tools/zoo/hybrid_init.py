@@ -46,14 +46,23 @@ FA_PHASE = 3
 CONV_RMS = 0.5
 
 
-def layer_types(n_layers: int, fa_phase: int = FA_PHASE) -> list[str]:
+def layer_types(n_layers: int, fa_phase: int = FA_PHASE,
+                fa_layers: list[int] | tuple[int, ...] | None = None) -> list[str]:
+    """Layer i keeps full attention iff i % 4 == fa_phase, or, given `fa_layers`, iff i is
+    one of them (any set: `retrieval_heads.choose_layers` picks one from the parent)."""
+    if fa_layers is not None:
+        chosen = set(fa_layers)
+        if not chosen or min(chosen) < 0 or max(chosen) >= n_layers:
+            raise ValueError(f"fa_layers must name layers in [0, {n_layers}), got {fa_layers}")
+        return [FULL_ATTENTION if i in chosen else LINEAR_ATTENTION for i in range(n_layers)]
     if not 0 <= fa_phase < INTERVAL:
         raise ValueError(f"fa_phase must be in [0, {INTERVAL}), got {fa_phase}")
     return [FULL_ATTENTION if i % INTERVAL == fa_phase else LINEAR_ATTENTION
             for i in range(n_layers)]
 
 
-def hybrid_config(parent_dir: Path, fa_phase: int = FA_PHASE) -> dict:
+def hybrid_config(parent_dir: Path, fa_phase: int = FA_PHASE,
+                  fa_layers: list[int] | tuple[int, ...] | None = None) -> dict:
     p = json.loads((Path(parent_dir) / "config.json").read_text())
     parent = ModelConfig.from_hf(p)
     if parent.model_type != "llama" or parent.rope.rope_type != "default":
@@ -74,7 +83,7 @@ def hybrid_config(parent_dir: Path, fa_phase: int = FA_PHASE) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": parent.rope.theta,
                             "partial_rotary_factor": 1.0, "mrope_section": [a, b, half - a - b],
                             "mrope_interleaved": True},
-        "layer_types": layer_types(n, fa_phase),
+        "layer_types": layer_types(n, fa_phase, fa_layers),
         "linear_num_key_heads": parent.num_attention_heads,
         "linear_num_value_heads": parent.num_attention_heads,
         "linear_key_head_dim": parent.head_dim, "linear_value_head_dim": parent.head_dim,

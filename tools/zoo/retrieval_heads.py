@@ -1,0 +1,91 @@
+"""Which of the parent's attention heads copy from a needle, and so which layers a hybrid keeps.
+
+A head retrieves (Wu et al., "Retrieval Head Mechanistically Explains Long-Context
+Factuality", 2024) when, at a step that writes a token the prompt holds earlier, its
+attention lands on that earlier token. On retrieval items of the train family
+(`derive.needle_batch`, calibration text) the parent answers by copying; at every answer
+position t whose next token also occurs before the answer, each head's softmax mass on
+those earlier occurrences is its copy score at t. `copy_scores` averages it per
+(layer, head) over the items.
+
+`choose_layers` turns the scores into a hybrid layout: every layer with a head whose copy
+score reaches `threshold` keeps full attention (the Gated DeltaNet that would replace it
+has no softmax to point with), and the rest of the attention budget goes to the
+every-fourth-layer positions (Qwen3.5's rule) from the bottom up, so the lower layers keep
+some exact mixing too. SmolLM2-135M's retrieval heads sit in layers 17, 18, 20, 21 and 23;
+Qwen3.5's own rule keeps 3, 7, ..., 27, which replaces all but layer 23.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from models.config import FULL_ATTENTION
+from models.model import CausalLM
+
+
+@torch.inference_mode()
+def copy_scores(parent: CausalLM, items: list[tuple[torch.Tensor, torch.Tensor]]
+                ) -> tuple[torch.Tensor, int]:
+    """items: (ids [1, T], answer mask [T]) as `derive.needle_batch` makes them ->
+    (mean copy mass [layers, heads], number of copy steps scored)."""
+    cfg = parent.config
+    if any(kind != FULL_ATTENTION for kind in cfg.layer_types):
+        raise ValueError("copy scores are measured on an all-attention parent")
+    total = torch.zeros(cfg.num_hidden_layers, cfg.num_attention_heads)
+    steps = 0
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    for ids, mask in items:
+        ids = ids[0]
+        t = len(ids)
+        rows = mask.nonzero()[:, 0]
+        rows = rows[rows + 1 < t]
+        if len(rows) == 0:
+            continue
+        before = int(rows[0]) + 1          # the answer starts here; sources lie before it
+        sources = [(ids[:before - 1] == ids[r + 1]).nonzero()[:, 0] for r in rows.tolist()]
+        kept = [j for j, s in enumerate(sources) if len(s)]
+        steps += len(kept)
+        pos = torch.arange(t)[None]
+        x, h = parent.embed(ids[None]), None
+        for l in range(cfg.num_hidden_layers):
+            a = parent.attn_inputs(l, x, pos, u=h)
+            q = a.q[0, rows].float()                                       # [R, H, D]
+            k = a.k[0].float().repeat_interleave(group, dim=1)             # [T, H, D]
+            scores = torch.einsum("rhd,thd->hrt", q, k) * cfg.head_dim ** -0.5
+            causal = torch.arange(t)[None, :] <= rows[:, None]
+            probs = scores.masked_fill(~causal[None], float("-inf")).softmax(-1)   # [H, R, T]
+            for j in kept:
+                total[l] += probs[:, j, sources[j]].sum(-1)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                a.q.transpose(1, 2), a.k.transpose(1, 2), a.v.transpose(1, 2), is_causal=True,
+                enable_gqa=True).transpose(1, 2)
+            h = parent.attn_output(l, x, o, a.gate)
+            x = parent.mlp(l, h)
+    return total / max(1, steps), steps
+
+
+def train_items(tok, n: int, seq_len: int, seed: int = 0) -> list:
+    """n retrieval items of the train family on calibration text (never the eval's text or
+    the held-out formats)."""
+    from evals.corpus import documents, haystack_text
+    from tools.zoo.derive import needle_batch
+
+    filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
+    rng = random.Random(f"retrieval-heads-{seed}")
+    return [needle_batch(tok, filler, seq_len, rng) for _ in range(n)]
+
+
+def choose_layers(scores: torch.Tensor, num_fa: int, threshold: float = 0.2,
+                  interval: int = 4, phase: int = 3) -> list[int]:
+    """The layers that keep attention: those with a head scoring >= threshold (the best
+    first, at most num_fa), then i % interval == phase from the bottom until num_fa."""
+    best = scores.max(-1).values
+    retrieval = [int(l) for l in best.argsort(descending=True) if best[l] >= threshold]
+    chosen = set(retrieval[:num_fa])
+    for l in range(phase, scores.shape[0], interval):
+        if len(chosen) >= num_fa:
+            break
+        chosen.add(l)
+    return sorted(chosen)
