@@ -140,10 +140,10 @@ def test_choose_layers_keeps_retrieval_layers_then_the_periodic_ones():
 
     scores = torch.zeros(30, 9)
     scores[18, 6], scores[17, 3], scores[23, 2], scores[14, 1] = 0.7, 0.5, 0.4, 0.1
-    assert choose_layers(scores, 6) == [3, 7, 11, 17, 18, 23]
+    assert choose_layers(scores, 6, num_retrieval=3) == [3, 7, 11, 17, 18, 23]
     assert choose_layers(scores, 2) == [17, 18]                  # the best two only
-    assert choose_layers(scores, 3, threshold=0.05) == [17, 18, 23]
-    assert choose_layers(scores, 4, threshold=0.05) == [14, 17, 18, 23]
+    assert choose_layers(scores, 8, num_retrieval=4) == [3, 7, 11, 14, 15, 17, 18, 23]
+    assert choose_layers(scores, 7) == [3, 7, 11, 14, 17, 18, 23]   # 4 layers copy at all
     assert choose_layers(torch.zeros(30, 9), 7) == [3, 7, 11, 15, 19, 23, 27]
 
 

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="retrieval-heads: train-family items to score")
     der.add_argument("--num-fa", type=bounded(1), default=8,
                      help="retrieval-heads: attention layers to suggest")
+    der.add_argument("--num-retrieval", type=bounded(1), default=5,
+                     help="retrieval-heads: of those, layers picked by their copying heads")
     der.add_argument("--threads", type=bounded(1), default=2)
     return der
 
@@ -106,7 +108,7 @@ def run(argv: list[str]) -> int:
         print(f"copy mass per head, {args.items} train-family items, {steps} copy steps")
         for l, row in enumerate(scores.tolist()):
             print(f"layer {l:2d}  max {max(row):.2f}  " + " ".join(f"{v:.2f}" for v in row))
-        layers = retrieval_heads.choose_layers(scores, args.num_fa)
+        layers = retrieval_heads.choose_layers(scores, args.num_fa, args.num_retrieval)
         print("suggested: --fa-layers " + ",".join(map(str, layers)))
     elif args.what == "apply-hybrid":
         print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
