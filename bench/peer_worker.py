@@ -1,7 +1,7 @@
 """One engine of bench/peers.py, kept in its own process: reads JSON requests on stdin, runs
 each, answers one JSON line on stdout. Run by bench/peers.py, not by hand.
 
-    python bench/peer_worker.py splitstack MODEL_DIR float32|bfloat16
+    python bench/peer_worker.py splitstack MODEL_DIR float32|bfloat16 [int8] [compile]
     python bench/peer_worker.py hf MODEL_DIR float32|bfloat16
     python bench/peer_worker.py llama.cpp MODEL.gguf THREADS       (the .peers venv's python)
 
@@ -21,20 +21,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Splitstack:
-    def __init__(self, model_dir: str, dtype: str):
+    """One engine for the worker's life (`int8`: `--quantization int8`; `compile`:
+    `--compile`, its graphs built here, before any timing)."""
+
+    def __init__(self, model_dir: str, dtype: str, *modes: str):
         import torch
         sys.path.insert(0, str(ROOT))
         from models import load_model
         from services.engine import EngineConfig, GenerationParams, LLMEngine
         torch.set_num_threads(int(os.environ.get("PEERS_THREADS", "2")))
-        self.engine_cls, self.config_cls, self.params_cls = LLMEngine, EngineConfig, GenerationParams
-        self.model = load_model(model_dir, getattr(torch, dtype))
+        self.params_cls = GenerationParams
+        model = load_model(model_dir, getattr(torch, dtype))
+        model.quantize("int8" if "int8" in modes else None)
+        self.engine = LLMEngine(model, EngineConfig(
+            max_num_batched_tokens=2048, max_prefill_chunk=512, max_num_seqs=8,
+            compile_decode="compile" in modes))
 
     def generate(self, prompts, new_tokens):
-        longest = max(len(p) for p in prompts)
-        engine = self.engine_cls(self.model, self.config_cls(
-            max_num_batched_tokens=max(2048, longest), max_prefill_chunk=max(512, longest),
-            max_num_seqs=max(8, len(prompts))))
+        engine = self.engine
         params = self.params_cls(max_tokens=new_tokens, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in prompts]
         start, first = time.perf_counter(), None

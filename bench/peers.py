@@ -37,6 +37,11 @@ MODEL = ROOT / "models/zoo/smollm2-135m"
 ENGINES = {   # name -> (python, worker args)
     "splitstack fp32": (sys.executable, ["splitstack", str(MODEL), "float32"]),
     "splitstack bf16": (sys.executable, ["splitstack", str(MODEL), "bfloat16"]),
+    "splitstack bf16 --compile": (sys.executable,
+                                  ["splitstack", str(MODEL), "bfloat16", "compile"]),
+    "splitstack bf16 int8": (sys.executable, ["splitstack", str(MODEL), "bfloat16", "int8"]),
+    "splitstack bf16 int8 --compile": (sys.executable, ["splitstack", str(MODEL), "bfloat16",
+                                                        "int8", "compile"]),
     "HF transformers fp32": (sys.executable, ["hf", str(MODEL), "float32"]),
     "HF transformers bf16": (sys.executable, ["hf", str(MODEL), "bfloat16"]),
     "llama.cpp F32 GGUF": (str(PEERS / "venv/bin/python"),
@@ -134,6 +139,10 @@ def offline(args) -> None:
 SERVERS = {   # name -> command line (PORT filled in)
     "splitstack": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
                    "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"],
+    "splitstack int8 --compile": [sys.executable, "-m", "services.cli", "serve", "--model",
+                                  str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
+                                  "--log-level", "warning", "--quantization", "int8",
+                                  "--compile"],
     "splitstack Q-First": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
                            "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
                            "--attention-shards", "1", "--mlp-replicas", "1"],

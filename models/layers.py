@@ -57,6 +57,31 @@ def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
                    lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
 
+INT8_MAX_ROWS = 16     # products of up to this many rows (decode steps) read the int8 copy
+QUANT_ATTR = "_splitstack_quant"
+
+
+def mark_int8(weight: torch.Tensor, max_rows: int | float = INT8_MAX_ROWS) -> None:
+    """Let products of `weight` of up to `max_rows` rows (default: decode-sized) run on a
+    weight-only int8 copy (`int8_copy`); larger products (prompts) keep the weight itself.
+    `max_rows=math.inf`: every product (what `splitstack eval --quantization int8` scores)."""
+    setattr(weight, QUANT_ATTR, max_rows)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: (q [N, K] int8, scales [N] in weight's dtype) with
+    weight ~= q * scales[:, None], each row's largest magnitude mapped to 127."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales.to(weight.dtype)
+
+
+def int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_int8(weight)`, built on first use and kept on the weight (`_cached`)."""
+    return _cached(weight, "_splitstack_int8", quantize_int8)
+
+
 def row_bucket(m: int) -> int:
     """The row count a bf16 product of m rows runs at: m itself up to 16 (decode batches),
     then the next multiple of 32, from 512 rows the next multiple of 256. oneDNN builds and
@@ -73,6 +98,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """`x @ weightᵀ (+ bias)`, choosing the CPU product by dtype and row count (`Linear`,
     tied heads).
 
+    A weight marked int8 (`mark_int8`, `--quantization int8`) runs its decode-sized products
+    (up to INT8_MAX_ROWS rows, or as marked) on its weight-only int8 copy (`aten._weight_int8pack_mm`:
+    int8 weights, per-row scales, activations in the weight's dtype); prompts keep the
+    weight itself, where the int8 product is 2-3x slower (bench/linear_products.py).
+
     bf16 (the CPU serving dtype): oneDNN's product on a packed copy of the weight, any row
     count. fp32 with MKL: for a handful of rows `x @ Wᵀ` runs well below memory bandwidth,
     while the same product as `W @ xᵀ` streams W row-major: 1.6-3x faster at 8 rows
@@ -83,6 +113,13 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """
     if not x.is_cpu or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
+    max_rows = getattr(weight, QUANT_ATTR, 0)
+    if max_rows and x.dtype == weight.dtype and 0 < x.numel() <= max_rows * x.shape[-1]:
+        q, scales = int8_copy(weight)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q, scales)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], -1)
     if weight.dtype == torch.bfloat16:
         if not _ONEDNN_BF16 or x.dtype != torch.bfloat16 or x.numel() == 0:
             return F.linear(x, weight, bias)

@@ -17,6 +17,7 @@ decode path, where the query and the key/value are computed in different process
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -26,7 +27,8 @@ from kernels.attention import get_backend
 from models.attention import FullAttention
 from models.config import FULL_ATTENTION, ModelConfig
 from models.gdn import GatedDeltaNet, GDNInputs
-from models.layers import MLP, Linear, RMSNorm, SparseMoE, project
+from models.layers import (INT8_MAX_ROWS, MLP, Linear, RMSNorm, SparseMoE, int8_copy,
+                           mark_int8, project)
 from models.rope import Rotary
 
 
@@ -99,6 +101,46 @@ class CausalLM(nn.Module):
                 layer.self_attn.fuse()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse()
+        return self
+
+    def quantize(self, method: str | None, *, prompts: bool = False) -> "CausalLM":
+        """`int8`: weight-only int8 for the decode-sized products of every projection and
+        the LM head (`layers.mark_int8`); prompts keep the weights. The int8 copies the
+        engine's decode step reads (fused q/k/v and gate/up, o, down, the head) are made
+        here, the rest (the Q-First split's separate views) on first use. `prompts`: every
+        product reads the int8 copy, prompts too (an eval's strict bound: the scored losses
+        then see int8 weights). None: no change."""
+        if method is None:
+            return self
+        if method != "int8":
+            raise ValueError(f"unknown quantization {method!r}; choose from ['int8']")
+        rows = math.inf if prompts else INT8_MAX_ROWS
+        mark = lambda w: mark_int8(w, rows)  # noqa: E731
+        head = self.lm_head_weight()
+        mark(head)
+        used = [head]
+        for layer in self.model.layers:
+            router = getattr(layer.mlp, "gate", None)
+            for mod in layer.modules():
+                if isinstance(mod, nn.Linear) and mod is not router:
+                    mark(mod.weight)
+            for fused in (getattr(getattr(layer, "self_attn", None), "qkv", None),
+                          getattr(layer.mlp, "gate_up", None)):
+                if fused is not None:       # the fused matrix and its k/v (or up) rows
+                    mark(fused.weight)
+                    mark(fused.rest[0])
+                    used.append(fused.weight)
+            if layer.kind == FULL_ATTENTION:
+                attn = layer.self_attn
+                used += [attn.o_proj.weight] if attn.qkv is not None else \
+                    [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
+                     attn.o_proj.weight]
+            if isinstance(layer.mlp, MLP):
+                mlp = layer.mlp
+                used += [mlp.down_proj.weight] if mlp.gate_up is not None else \
+                    [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        for w in used:
+            int8_copy(w)
         return self
 
     # ---- stages --------------------------------------------------------------------

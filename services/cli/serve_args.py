@@ -80,6 +80,12 @@ class ServeArgs:
     dtype: str = flag("auto", "weights, activations and KV cache of the model; auto: "
                               "bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), else "
                               "float32 (also with --gpu)", choices=("auto", *sorted(DTYPES)))
+    quantization: str | None = flag(None, "int8: weight-only int8 (per-row scales) for the "
+                                          "decode steps' products, prompts keep the weights "
+                                          "(1.5x the weight memory)", choices=("int8",))
+    compile: bool = flag(False, "decode steps as torch.compile'd graphs, one per batch "
+                                "bucket, built at start (CPU, dense full-attention models; "
+                                "cached under ~/.cache/splitstack/torchinductor)")
     max_num_seqs: int = flag(16, "sequences an engine runs at once (on Ray: per attention "
                                  "service)", low=1)
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
@@ -326,7 +332,8 @@ class ServeArgs:
                              prefix_cache_bytes=self.prefix_cache_bytes if self.prefix_cache
                              else None,
                              prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
-                             reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio)
+                             reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
+                             compile_decode=self.compile, quantization=self.quantization)
 
     def http_limits(self) -> HttpLimits:
         from services.gateway.limits import HttpLimits
@@ -363,7 +370,7 @@ class ServeArgs:
             mlp_replicas=self.mlp_replicas or 1, wiring=self.wiring,
             transport=self.transport or "grpc", kv_splits=self.kv_splits,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-            dtype=self.dtype_name, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
+            dtype=self.dtype_name, quantization=self.quantization, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
             prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security(),
             drain_timeout_s=self.drain_timeout)
 

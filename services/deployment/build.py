@@ -27,9 +27,13 @@ class EngineOptions:
     redis_url: str | None = None
     reuse_filled: bool = False
     replay_ratio: float = 0.1
+    compile_decode: bool = False              # --compile: decode steps as compiled graphs
+    quantization: str | None = None           # --quantization int8 (applied where loaded)
 
     def __post_init__(self):
         TailReplayConfig(self.replay_ratio)   # refuse a bad flag before loading anything
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}")
 
     @property
     def ridgefill(self) -> bool:
@@ -40,7 +44,8 @@ class EngineOptions:
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
-    metrics go into `registry`; the prefix cache is keyed by the model's fingerprint and
+    metrics go into `registry`; `model` is already quantized as `options.quantization` says
+    (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the model's fingerprint and
     dtype, so replicas of one checkpoint share Redis entries and other checkpoints never
     see them."""
     service = None
@@ -57,7 +62,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    redis_url=options.redis_url)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
-                                           kv_cache_bytes=options.kv_cache_bytes),
+                                           kv_cache_bytes=options.kv_cache_bytes,
+                                           compile_decode=options.compile_decode),
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
                        prefix_cache=cache, replay_ratio=options.replay_ratio)
     return engine, service

@@ -67,6 +67,7 @@ class ClusterConfig:
     block_size: int = 16
     max_num_seqs: int = 16
     dtype: str = "float32"
+    quantization: str | None = None    # int8: weight-only int8 decode products (every member)
     threads: int = 1                   # torch threads per actor
     host: str = "127.0.0.1"            # where actors bind gRPC (0.0.0.0: all, node IP shown)
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)
@@ -127,7 +128,8 @@ def _advertised(address: str) -> str:
     return f"{host}:{port}"
 
 
-def _load(model_dir: str, dtype: str, side: str, threads: int, device: str = "cpu"):
+def _load(model_dir: str, dtype: str, side: str, threads: int, device: str = "cpu",
+          quantization: str | None = None):
     import torch
 
     from models import load_model
@@ -136,7 +138,7 @@ def _load(model_dir: str, dtype: str, side: str, threads: int, device: str = "cp
     torch.set_num_threads(threads)
     model = load_model(model_dir, dtype=getattr(torch, dtype), device=device)
     keep_side(model, side)
-    return model
+    return model.quantize(quantization)
 
 
 class PoolReplica:
@@ -144,7 +146,8 @@ class PoolReplica:
 
     def __init__(self, model_dir: str, name: str, dtype: str = "float32", threads: int = 1,
                  host: str = "127.0.0.1", use_gpu: bool = False,
-                 security: GrpcSecurity = INSECURE, drain_timeout_s: float = 30.0):
+                 security: GrpcSecurity = INSECURE, drain_timeout_s: float = 30.0,
+                 quantization: str | None = None):
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
@@ -152,7 +155,7 @@ class PoolReplica:
         drain_on_sigterm(drain_timeout_s + DRAIN_MARGIN_S, name)
         device = "cuda" if use_gpu else "cpu"
         self.name = name
-        self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device), name)
+        self.pool = MLPPool(_load(model_dir, dtype, "pool", threads, device, quantization), name)
         self.nccl = None
         if use_gpu:
             from services.common.nccl_transport import NcclEndpoint
@@ -196,7 +199,7 @@ class PrefillReplica:
         drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
         torch.set_num_threads(c.threads)
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
-                           device="cuda" if c.use_gpu else "cpu")
+                           device="cuda" if c.use_gpu else "cpu").quantize(c.quantization)
         registry = CollectorRegistry()
         self.engine, service = build_engine(model, c.model, c.prefill, registry)
         self.nccl = None
@@ -253,14 +256,15 @@ class AttentionReplica:
             from services.mlp_pool.metrics import MeteredPool, PoolMetrics
 
             torch.set_num_threads(c.threads)
-            model = load_model(c.model, dtype=getattr(torch, c.dtype), device=device)
+            model = load_model(c.model, dtype=getattr(torch, c.dtype),
+                               device=device).quantize(c.quantization)
             registry = CollectorRegistry()
             metrics = PoolMetrics(registry)
             replicas = [MeteredPool(MLPPool(model, f"{name}-pool-{i}"), metrics)
                         for i in range(c.mlp_replicas)]
         else:
             registry = None
-            model = _load(c.model, c.dtype, "attention", c.threads, device)
+            model = _load(c.model, c.dtype, "attention", c.threads, device, c.quantization)
             replicas = list(pool_addresses)
         cfg = model.config
         if c.transport == "nccl":
@@ -356,7 +360,7 @@ def place_pool(config: ClusterConfig, name: str):
 
     return ray.remote(**actor_options(config, "mlp"))(PoolReplica).remote(
         config.model, name, config.dtype, config.threads, config.host, config.use_gpu,
-        config.security, config.drain_timeout_s)
+        config.security, config.drain_timeout_s, config.quantization)
 
 
 def place_prefill(config: ClusterConfig, name: str):

@@ -29,7 +29,11 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     its running slots."""
     model_dir = Path(model_dir)
     options = options or EngineOptions(**engine_options)
-    model = load_model(model_dir, dtype=dtype)
+    model = load_model(model_dir, dtype=dtype).quantize(options.quantization)
+    if options.compile_decode:
+        from services.engine.compiled_decode import use_cache_dir
+
+        use_cache_dir()
     registry = CollectorRegistry()
     engine, service = build_engine(model, model_dir, options, registry)
     gateway = Gateway(EngineBackend(engine), load_tokenizer(model_dir),

@@ -52,6 +52,8 @@ class EngineConfig:
     max_prefill_chunk: int = 512
     max_model_len: int | None = None     # default: the model's max_position_embeddings
     attention_backend: str | None = None
+    compile_decode: bool = False         # decode-only steps as compiled graphs (CPU, dense FA)
+    compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # batch sizes with a graph
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -98,7 +100,8 @@ class LLMEngine:
                 self.prefix = PrefixReuse(prefix_cache, model, self.cache, replay)
             self.runner: Runner = ModelRunner(
                 model, self.cache, config.attention_backend,
-                keep_hidden=self.prefix.hidden_layers if self.prefix else ())
+                keep_hidden=self.prefix.hidden_layers if self.prefix else (),
+                compile_buckets=self._compile_buckets(config))
         else:
             if prefix_cache is not None:
                 raise ValueError("the prefix cache runs beside the monolithic runner (on the "
@@ -111,6 +114,18 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
+
+    @staticmethod
+    def _compile_buckets(config: EngineConfig) -> tuple[int, ...]:
+        """The batch buckets to compile: those up to the first that holds max_num_seqs."""
+        if not config.compile_decode:
+            return ()
+        buckets = sorted(config.compile_buckets)
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"compile_buckets must be >= 1, got {config.compile_buckets}")
+        kept = [b for b in buckets if b < config.max_num_seqs]
+        kept += [b for b in buckets if b >= config.max_num_seqs][:1]
+        return tuple(kept)
 
     # ---- requests ------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:

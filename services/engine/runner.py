@@ -14,6 +14,7 @@ Prefill chunks marked `capture` also get the FA output hiddens of the `keep_hidd
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -26,10 +27,12 @@ from kernels.sampling import History, SamplingParams, as_entries, sample, score_
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs
 from models.model import CausalLM
-from services.engine import decode_graph
+from services.engine import compiled_decode, decode_graph
 from services.engine.kv_cache import CacheStorage
 from services.engine.scheduler import ScheduledChunk, SchedulerOutput
 from services.common.messages import PromptExport
+
+log = logging.getLogger(__name__)
 
 
 class CacheLayout(NamedTuple):
@@ -134,7 +137,10 @@ class ModelRunner:
     `CacheStorage` (embedded server, prefill replicas)."""
 
     def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
-                 keep_hidden: tuple[int, ...] = ()):
+                 keep_hidden: tuple[int, ...] = (), compile_buckets: tuple[int, ...] = ()):
+        """`compile_buckets`: run decode-only steps of up to the largest bucket through
+        `torch.compile`d graphs, one per bucket, built here (`compiled_decode`; CPU, dense
+        full-attention models; others keep the eager step and log why)."""
         self.model = model
         self.cache = cache
         self.attn = get_backend(attention_backend, model.device)
@@ -145,6 +151,15 @@ class ModelRunner:
             max_len = min(model.config.max_position_embeddings,
                           cache.kv.shape[2] * cache.block_size)
             self.decode_graphs = decode_graph.DecodeGraphs(self, max_len)
+        self.compiled = None
+        if compile_buckets:
+            reason = compiled_decode.unsupported(model)
+            if reason:
+                log.warning("decode steps run eagerly: %s", reason)
+            else:
+                self.compiled = compiled_decode.CompiledDecode(self, compile_buckets)
+                log.info("compiled the decode step in %.0f s (batch buckets %s)",
+                         self.compiled.warm(), self.compiled.batch_buckets)
 
     def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
         logits = self.run(out)
@@ -169,6 +184,8 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         if self.decode_graphs is not None and self.decode_graphs.applies(out):
             return self.decode_graphs.run(out)
+        if self.compiled is not None and self.compiled.applies(out):
+            return self.compiled.run(out)
         st = prepare(out, self.cache.block_size, self.model.device, self.attn)
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:

@@ -34,7 +34,7 @@ def test_every_field_is_one_flag_with_help():
     actions = {a.option_strings[0]: a for a in serve_parser()._actions
                if a.option_strings and a.dest != "help"}
     names = [flag_name(f.name) for f in dataclasses.fields(ServeArgs)]
-    assert sorted(actions) == sorted(names) and len(names) == 58
+    assert sorted(actions) == sorted(names) and len(names) == 60
     for f in dataclasses.fields(ServeArgs):
         action = actions[flag_name(f.name)]
         assert action.dest == f.name
@@ -174,3 +174,14 @@ def test_the_same_ranges_are_usage_errors_on_the_command_line(flags, option, cap
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *flags])
     assert exc.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_compile_and_quantization_reach_every_engine_and_member():
+    args = parse("--compile", "--quantization", "int8")
+    options = args.engine_options()
+    assert options.compile_decode and options.quantization == "int8"
+    assert args.cluster_config().quantization == "int8"
+    plain = parse()
+    assert not plain.engine_options().compile_decode and plain.cluster_config().quantization is None
+    with pytest.raises(SystemExit):
+        parse("--quantization", "int4")

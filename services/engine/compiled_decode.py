@@ -1,0 +1,263 @@
+"""Decode-only engine steps as `torch.compile`d graphs on the CPU (`--compile`), one per
+batch bucket.
+
+At batch 1 the eager decode step spends about as long dispatching its ~730 ops from Python
+as in its weight products (bench/decode_compile.py). Here the decode step of a dense
+full-attention model (the Llama and Qwen3 families: no Gated DeltaNet, no experts, standard
+wiring) is one graph for inductor's CPU backend: the norms, rotary, output gates, SiLU and
+residual adds between the products fuse into a few C++ kernels. Three things stay opaque
+custom ops inside the graph:
+
+- `splitstack::linear`: `models.layers.project`, the eager engine's own product (oneDNN on
+  the packed bf16 weight, MKL's strategies in fp32). The weights never enter the graph: the
+  op names one by its index in a table (`_WEIGHTS`), so the graphs use the packed copies the
+  eager path already holds (inductor's `freezing` would fold another copy into every graph),
+  and their artefacts hold no weights, so inductor's on-disk cache serves them across runs.
+- `splitstack::write_kv`: the step's keys and values into the paged cache, in place.
+- `splitstack::paged_decode`: `kernels.attention.cpu_paged`, the native batched paged decode
+  kernel. Block tables change every step without changing the graph; as with vLLM's forward
+  context, the step's prepared tables are set beside the call (`_STEP`), not passed in.
+
+A step of B rows runs at the smallest bucket >= B. Rows B.. are copies of row 0: same token,
+position, KV slot and keys, so every layer's key and value they write is the one row 0
+writes, and the step is exact. Steps the graphs do not cover (any prefill, a batch past the largest bucket) run eagerly.
+The buckets compile when the runner is built (`warm`), before a server takes requests: 25-50 s
+each on 2 cores the first time, seconds from inductor's cache (`cache_dir`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import cpu_paged
+from kernels.cuda_graph import bucket_for
+from models.config import FULL_ATTENTION
+from models.layers import MLP, project, still_fused
+from models.model import CausalLM
+from services.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+DEFAULT_CACHE = Path.home() / ".cache" / "splitstack" / "torchinductor"
+
+_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_NEXT = [0]
+_OPTIONS: dict = {}
+_STEP = threading.local()        # .plan: the cpu_paged.Prepared of the step being run
+
+
+@torch.library.custom_op("splitstack::linear", mutates_args=())
+def _linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    weight, bias = _WEIGHTS[key]
+    return project(x, weight, bias)
+
+
+@_linear.register_fake
+def _(x, key, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("splitstack::write_kv", mutates_args=("kv",))
+def _write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+    kvh, d = k.shape[-2:]
+    kv[0, layer].view(-1, kvh, d)[slots] = k.to(kv.dtype)
+    kv[1, layer].view(-1, kvh, d)[slots] = v.to(kv.dtype)
+
+
+@_write_kv.register_fake
+def _(kv, layer, slots, k, v):
+    return None
+
+
+@torch.library.custom_op("splitstack::paged_decode", mutates_args=())
+def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    return cpu_paged.decode(q, k_cache, v_cache, prepared=_STEP.plan)[0].to(q.dtype)
+
+
+@_paged_decode.register_fake
+def _(q, k_cache, v_cache):
+    return torch.empty_like(q)
+
+
+def unsupported(model: CausalLM) -> str | None:
+    """Why the compiled step cannot run `model` here, or None when it can."""
+    cfg = model.config
+    if model.device.type != "cpu":
+        return "the compiled decode step is for the CPU (CUDA has SPLITSTACK_DECODE_GRAPHS)"
+    if cfg.is_hybrid:
+        return "Gated DeltaNet layers run eagerly"
+    if cfg.wiring != "standard":
+        return f"{cfg.wiring} wiring runs eagerly"
+    if any(not isinstance(layer.mlp, MLP) for layer in model.model.layers):
+        return "mixture-of-experts layers run eagerly"
+    if model.dtype not in (torch.float32, torch.bfloat16):
+        return f"{model.dtype} runs eagerly"
+    if not cpu_paged.available():
+        return "the native paged decode kernel did not build (no C compiler)"
+    return None
+
+
+def use_cache_dir(path: str | Path | None = None) -> Path:
+    """Point inductor's on-disk cache at `path` (default: $TORCHINDUCTOR_CACHE_DIR if set,
+    else ~/.cache/splitstack/torchinductor), so compiled graphs survive restarts."""
+    chosen = Path(path or os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+    chosen.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(chosen)
+    return chosen
+
+
+class CompiledDecode:
+    """The runner's decode-only steps as compiled graphs; `runner` is a `ModelRunner`
+    (its cache and model). Engine thread only, after `warm`."""
+
+    def __init__(self, runner, batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
+        reason = unsupported(runner.model)
+        if reason:
+            raise ValueError(reason)
+        self.model, self.cache = runner.model, runner.cache
+        self.batch_buckets = tuple(sorted(set(batch_buckets)))
+        if not self.batch_buckets or self.batch_buckets[0] < 1:
+            raise ValueError(f"batch buckets must be >= 1, got {batch_buckets}")
+        cfg = self.model.config
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.hidden = cfg.hidden_size
+        self.keys: list[int] = []
+        self._plan = self._layer_plan()
+        weakref.finalize(self, _release, list(self.keys))
+        limit = 64       # graphs per process: buckets x engines (tests build several)
+        dynamo = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(dynamo, name) and getattr(dynamo, name) < limit:
+                setattr(dynamo, name, limit)
+        self._graph = torch.compile(self._forward, dynamic=False, fullgraph=True, options=_OPTIONS)
+        self.compiled: set[int] = set()       # buckets built
+        self.used: set[int] = set()           # buckets run by a step
+
+    # ---- what the graph computes -------------------------------------------------------
+    def _register(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
+        key = _NEXT[0]
+        _NEXT[0] += 1
+        _WEIGHTS[key] = (weight, bias)
+        self.keys.append(key)
+        return key, weight.shape[0]
+
+    def _layer_plan(self) -> list[dict]:
+        """Per layer: the modules the graph calls and the weight keys of its products."""
+        plan = []
+        for l, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = still_fused(attn.qkv, attn.q_proj, attn.k_proj, attn.v_proj)
+            gate_up = still_fused(mlp.gate_up, mlp.gate_proj, mlp.up_proj)
+            entry = {
+                "layer": layer, "attn": attn, "fa": self.cache.fa_index[l],
+                "qkv": ([self._register(qkv.weight, qkv.bias)] if qkv is not None else
+                        [self._register(p.weight, p.bias)
+                         for p in (attn.q_proj, attn.k_proj, attn.v_proj)]),
+                "o": self._register(attn.o_proj.weight, attn.o_proj.bias),
+                "gate_up": ([self._register(gate_up.weight, gate_up.bias)] if gate_up is not None
+                            else [self._register(p.weight, p.bias)
+                                  for p in (mlp.gate_proj, mlp.up_proj)]),
+                "down": self._register(mlp.down_proj.weight, mlp.down_proj.bias),
+            }
+            plan.append(entry)
+        self._head = self._register(self.model.lm_head_weight(), None)
+        return plan
+
+    @staticmethod
+    def _lin(x: torch.Tensor, keyed: tuple[int, int]) -> torch.Tensor:
+        return torch.ops.splitstack.linear(x, *keyed)
+
+    def _products(self, x: torch.Tensor, keyed: list[tuple[int, int]]) -> torch.Tensor:
+        if len(keyed) == 1:
+            return self._lin(x, keyed[0])
+        return torch.cat([self._lin(x, k) for k in keyed], dim=-1)
+
+    def _forward(self, ids, cos, sin, slots, kv):
+        model, rotary = self.model, self.model.rotary
+        n = ids.shape[0]
+        x = F.embedding(ids, model.model.embed_tokens.weight)
+        for p in self._plan:
+            layer, attn = p["layer"], p["attn"]
+            q_width = attn.num_heads * attn.head_dim * (2 if attn.output_gate else 1)
+            kv_width = attn.num_kv_heads * attn.head_dim
+            q, k, v = self._products(layer.input_layernorm(x), p["qkv"]).split(
+                [q_width, kv_width, kv_width], dim=-1)
+            q, gate = attn._query(q, cos, sin, rotary)
+            k, v = attn._key_value(k, v, cos, sin, rotary)
+            torch.ops.splitstack.write_kv(kv, p["fa"], slots, k, v)
+            o = torch.ops.splitstack.paged_decode(q, kv[0, p["fa"]], kv[1, p["fa"]])
+            o = o.to(x.dtype).reshape(n, -1)
+            if gate is not None:
+                o = o * torch.sigmoid(gate)
+            h = x + self._lin(o, p["o"])
+            gate_up = self._products(layer.post_attention_layernorm(h), p["gate_up"])
+            g, u = gate_up.chunk(2, dim=-1)
+            x = h + self._lin(F.silu(g) * u, p["down"])
+        return self._lin(model.final_norm(x), self._head).float()
+
+    # ---- steps ---------------------------------------------------------------------------
+    def applies(self, out: SchedulerOutput) -> bool:
+        return (bool(out.decode) and not out.prefill
+                and bucket_for(len(out.decode), self.batch_buckets) is not None)
+
+    def warm(self, up_to: int | None = None) -> float:
+        """Build the graphs of every bucket (up to the one that holds `up_to` rows) on a
+        scratch block; returns the seconds it took."""
+        start = time.perf_counter()
+        last = bucket_for(up_to, self.batch_buckets) if up_to else None
+        for batch in self.batch_buckets:
+            if last is not None and batch > last:
+                break
+            t = time.perf_counter()
+            self._call(batch, [0] * batch, [0] * batch, [[0]] * batch, [1] * batch)
+            self.compiled.add(batch)
+            log.info("compiled the decode step for batch %d in %.1f s", batch,
+                     time.perf_counter() - t)
+        # the warm-up wrote into block 0's first slot; its owner (if any) rewrites it
+        return time.perf_counter() - start
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [B, vocab] fp32 of the step's decode rows (the runner's `run` contract)."""
+        rows = out.decode
+        n = len(rows)
+        batch = bucket_for(n, self.batch_buckets)
+        pad = batch - n
+        first = rows[0]
+        ids = [c.seq.tokens[c.start] for c in rows] + [first.seq.tokens[first.start]] * pad
+        positions = [c.start for c in rows] + [first.start] * pad
+        tables = [c.seq.block_table for c in rows] + [first.seq.block_table] * pad
+        lens = [c.start + 1 for c in rows] + [first.start + 1] * pad
+        self.used.add(batch)
+        return self._call(batch, ids, positions, tables, lens)[:n]
+
+    @torch.inference_mode()
+    def _call(self, batch: int, ids: list[int], positions: list[int], tables: list[list[int]],
+              lens: list[int]) -> torch.Tensor:
+        bs = self.cache.block_size
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        slots = table[torch.arange(batch), pos // bs] * bs + pos % bs
+        _STEP.plan = cpu_paged.prepare(table, torch.tensor(lens, dtype=torch.long), bs,
+                                       self.heads, self.head_dim)
+        cos, sin = self.model.rotary.cos_sin(pos, self.model.dtype)
+        try:
+            return self._graph(torch.tensor(ids, dtype=torch.long), cos, sin, slots,
+                               self.cache.kv)
+        finally:
+            _STEP.plan = None
+
+
+def _release(keys: list[int]) -> None:
+    for key in keys:
+        _WEIGHTS.pop(key, None)
