@@ -57,7 +57,7 @@ def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
                    lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
 
-INT8_MAX_ROWS = 16     # products of up to this many rows (decode steps) read the int8 copy
+INT8_MAX_ROWS = 4      # products of up to this many rows read the int8 copy (past it bf16 wins)
 QUANT_ATTR = "_splitstack_quant"
 
 

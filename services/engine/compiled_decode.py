@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+import types
 import weakref
 from pathlib import Path
 
@@ -51,7 +52,7 @@ DEFAULT_CACHE = Path.home() / ".cache" / "splitstack" / "torchinductor"
 
 _WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 _NEXT = [0]
-_OPTIONS: dict = {}
+_INPUTS = ("ids", "cos", "sin", "slots", "kv")      # `_forward`'s arguments
 _STEP = threading.local()        # .plan: the cpu_paged.Prepared of the step being run
 
 
@@ -132,14 +133,22 @@ class CompiledDecode:
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.hidden = cfg.hidden_size
         self.keys: list[int] = []
-        self._plan = self._layer_plan()
+        with torch.no_grad():       # `still_fused` holds only while no gradient is recorded
+            self._plan = self._layer_plan()
         weakref.finalize(self, _release, list(self.keys))
         limit = 64       # graphs per process: buckets x engines (tests build several)
         dynamo = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo, name) and getattr(dynamo, name) < limit:
                 setattr(dynamo, name, limit)
-        self._graph = torch.compile(self._forward, dynamic=False, fullgraph=True, options=_OPTIONS)
+        # Dynamo keeps its graphs on the function's code object: a copy of `_forward`'s code
+        # for this object alone, so the graphs need guards only on the inputs' shapes and
+        # dtypes (the bucket), not on the modules and weights they read through `self`
+        # (checking those cost 0.5 ms a step)
+        own = types.FunctionType(CompiledDecode._forward.__code__.replace(),
+                                 CompiledDecode._forward.__globals__, "_forward")
+        self._graph = torch.compile(types.MethodType(own, self), dynamic=False, fullgraph=True,
+                                    options={"guard_filter_fn": _input_guards_only})
         self.compiled: set[int] = set()       # buckets built
         self.used: set[int] = set()           # buckets run by a step
 
@@ -256,6 +265,14 @@ class CompiledDecode:
                                self.cache.kv)
         finally:
             _STEP.plan = None
+
+
+def _input_guards_only(entries) -> list[bool]:
+    """Keep the global-state guards and those on the graph's tensor inputs (which bucket a
+    call is); drop those on what `self` reaches (fixed for the object's life, and the code
+    object is the object's own)."""
+    return [e.name == "" or (e.name in _INPUTS and e.guard_type == "TENSOR_MATCH")
+            for e in entries]
 
 
 def _release(keys: list[int]) -> None:
