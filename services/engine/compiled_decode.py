@@ -5,7 +5,7 @@ At batch 1 the eager decode step spends about as long dispatching its ~730 ops f
 as in its weight products (bench/decode_compile.py). Here the decode step of a dense
 full-attention model (the Llama and Qwen3 families: no Gated DeltaNet, no experts, standard
 wiring) is one graph for inductor's CPU backend: the norms, rotary, output gates, SiLU and
-residual adds between the products fuse into a few C++ kernels. Three things stay opaque
+residual adds between the products fuse into a few C++ kernels. Two things stay opaque
 custom ops inside the graph:
 
 - `splitstack::linear`: `models.layers.project`, the eager engine's own product (oneDNN on
@@ -13,9 +13,8 @@ custom ops inside the graph:
   op names one by its index in a table (`_WEIGHTS`), so the graphs use the packed copies the
   eager path already holds (inductor's `freezing` would fold another copy into every graph),
   and their artefacts hold no weights, so inductor's on-disk cache serves them across runs.
-- `splitstack::write_kv`: the step's keys and values into the paged cache, in place.
-- `splitstack::paged_decode`: `kernels.attention.cpu_paged`, the native batched paged decode
-  kernel. Block tables change every step without changing the graph; as with vLLM's forward
+- `splitstack::paged_decode`: the step's keys and values into the paged cache, in place,
+  then `kernels.attention.cpu_paged`, the native batched paged decode kernel. Block tables change every step without changing the graph; as with vLLM's forward
   context, the step's prepared tables are set beside the call (`_STEP`), not passed in.
 
 A step of B rows runs at the smallest bucket >= B. Rows B.. are copies of row 0: same token,
@@ -67,26 +66,20 @@ def _(x, key, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-@torch.library.custom_op("splitstack::write_kv", mutates_args=("kv",))
-def _write_kv(kv: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+@torch.library.custom_op("splitstack::paged_decode", mutates_args=("kv",))
+def _paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
+                  layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """Write the step's k, v [B, KV, D] into cache layer `layer` at flat `slots`, then
+    attend q [B, H, D] over each row's keys (the step's prepared tables)."""
     kvh, d = k.shape[-2:]
-    kv[0, layer].view(-1, kvh, d)[slots] = k.to(kv.dtype)
-    kv[1, layer].view(-1, kvh, d)[slots] = v.to(kv.dtype)
-
-
-@_write_kv.register_fake
-def _(kv, layer, slots, k, v):
-    return None
-
-
-@torch.library.custom_op("splitstack::paged_decode", mutates_args=())
-def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    k_cache, v_cache = kv[0, layer], kv[1, layer]
+    k_cache.view(-1, kvh, d)[slots] = k.to(kv.dtype)
+    v_cache.view(-1, kvh, d)[slots] = v.to(kv.dtype)
     return cpu_paged.decode(q, k_cache, v_cache, prepared=_STEP.plan)[0].to(q.dtype)
 
 
 @_paged_decode.register_fake
-def _(q, k_cache, v_cache):
+def _(q, k, v, kv, layer, slots):
     return torch.empty_like(q)
 
 
@@ -203,8 +196,7 @@ class CompiledDecode:
                 [q_width, kv_width, kv_width], dim=-1)
             q, gate = attn._query(q, cos, sin, rotary)
             k, v = attn._key_value(k, v, cos, sin, rotary)
-            torch.ops.splitstack.write_kv(kv, p["fa"], slots, k, v)
-            o = torch.ops.splitstack.paged_decode(q, kv[0, p["fa"]], kv[1, p["fa"]])
+            o = torch.ops.splitstack.paged_decode(q, k, v, kv, p["fa"], slots)
             o = o.to(x.dtype).reshape(n, -1)
             if gate is not None:
                 o = o * torch.sigmoid(gate)
