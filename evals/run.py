@@ -174,7 +174,9 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
             evaluate_retrieval(arm, items, tokenizer, cfg, results[name], length)
             timings[f"{name}@{length}"] = time.perf_counter() - start
             log(f"[eval] {name} @ {length}: {timings[f'{name}@{length}']:.1f}s")
-    return summarize(results, cfg, model_dir, timings)
+    summary = summarize(results, cfg, model_dir, timings)
+    summary["dtype"], summary["quantization"] = str(dtype).removeprefix("torch."), quantization
+    return summary
 
 
 PAIRED_METRICS = ("loss", "new_token_loss", "key_token_loss", "retrieval", "retrieval_filled",

@@ -1,27 +1,30 @@
 """Decode-only engine steps as `torch.compile`d graphs on the CPU (`--compile`), one per
 batch bucket.
 
-At batch 1 the eager decode step spends about as long dispatching its ~730 ops from Python
-as in its weight products (bench/decode_compile.py). Here the decode step of a dense
+At batch 1 the eager decode step spends about half its time outside the weight products,
+dispatching its ~730 ops from Python (bench/decode_compile.py). Here the decode step of a dense
 full-attention model (the Llama and Qwen3 families: no Gated DeltaNet, no experts, standard
 wiring) is one graph for inductor's CPU backend: the norms, rotary, output gates, SiLU and
 residual adds between the products fuse into a few C++ kernels. Two things stay opaque
 custom ops inside the graph:
 
 - `splitstack::linear`: `models.layers.project`, the eager engine's own product (oneDNN on
-  the packed bf16 weight, MKL's strategies in fp32). The weights never enter the graph: the
-  op names one by its index in a table (`_WEIGHTS`), so the graphs use the packed copies the
-  eager path already holds (inductor's `freezing` would fold another copy into every graph),
-  and their artefacts hold no weights, so inductor's on-disk cache serves them across runs.
+  the packed bf16 weight or its int8 copy, MKL's strategies in fp32). The weights never
+  enter the graph: the op names one by its index in the engine's table, set beside the
+  call. So the graphs use the packed copies the eager path already holds (inductor's
+  `freezing` would fold another copy into every graph), and one architecture's graphs are
+  the same for every engine and every run: inductor's on-disk cache serves them.
 - `splitstack::paged_decode`: the step's keys and values into the paged cache, in place,
-  then `kernels.attention.cpu_paged`, the native batched paged decode kernel. Block tables change every step without changing the graph; as with vLLM's forward
-  context, the step's prepared tables are set beside the call (`_STEP`), not passed in.
+  then `kernels.attention.cpu_paged`, the native batched paged decode kernel. Block tables
+  change every step without changing the graph: as with vLLM's forward context, the step's
+  prepared tables (and the weight table) are set beside the call (`_STEP`), not passed in.
 
 A step of B rows runs at the smallest bucket >= B. Rows B.. are copies of row 0: same token,
 position, KV slot and keys, so every layer's key and value they write is the one row 0
-writes, and the step is exact. Steps the graphs do not cover (any prefill, a batch past the largest bucket) run eagerly.
-The buckets compile when the runner is built (`warm`), before a server takes requests: 25-50 s
-each on 2 cores the first time, seconds from inductor's cache (`cache_dir`).
+writes, and the step is exact. Steps the graphs do not cover (any prefill, a batch past the
+largest bucket) run eagerly. The buckets compile when the runner is built (`warm`), before a
+server takes requests: 15-30 s each on 2 cores the first time, a few seconds from inductor's
+cache (`use_cache_dir`).
 """
 from __future__ import annotations
 
@@ -30,7 +33,6 @@ import os
 import threading
 import time
 import types
-import weakref
 from pathlib import Path
 
 import torch
@@ -49,15 +51,14 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 DEFAULT_CACHE = Path.home() / ".cache" / "splitstack" / "torchinductor"
 
-_WEIGHTS: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-_NEXT = [0]
 _INPUTS = ("ids", "cos", "sin", "slots", "kv")      # `_forward`'s arguments
-_STEP = threading.local()        # .plan: the cpu_paged.Prepared of the step being run
+_STEP = threading.local()    # the step being run: .plan (cpu_paged.Prepared), .weights (the
+                             # engine's [(weight, bias)], which `splitstack::linear` indexes)
 
 
 @torch.library.custom_op("splitstack::linear", mutates_args=())
 def _linear(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    weight, bias = _WEIGHTS[key]
+    weight, bias = _STEP.weights[key]
     return project(x, weight, bias)
 
 
@@ -125,10 +126,9 @@ class CompiledDecode:
         cfg = self.model.config
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.hidden = cfg.hidden_size
-        self.keys: list[int] = []
+        self.weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         with torch.no_grad():       # `still_fused` holds only while no gradient is recorded
             self._plan = self._layer_plan()
-        weakref.finalize(self, _release, list(self.keys))
         limit = 64       # graphs per process: buckets x engines (tests build several)
         dynamo = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
@@ -147,11 +147,8 @@ class CompiledDecode:
 
     # ---- what the graph computes -------------------------------------------------------
     def _register(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
-        key = _NEXT[0]
-        _NEXT[0] += 1
-        _WEIGHTS[key] = (weight, bias)
-        self.keys.append(key)
-        return key, weight.shape[0]
+        self.weights.append((weight, bias))
+        return len(self.weights) - 1, weight.shape[0]
 
     def _layer_plan(self) -> list[dict]:
         """Per layer: the modules the graph calls and the weight keys of its products."""
@@ -249,6 +246,7 @@ class CompiledDecode:
         table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(batch), pos // bs] * bs + pos % bs
+        _STEP.weights = self.weights
         _STEP.plan = cpu_paged.prepare(table, torch.tensor(lens, dtype=torch.long), bs,
                                        self.heads, self.head_dim)
         cos, sin = self.model.rotary.cos_sin(pos, self.model.dtype)
@@ -256,7 +254,7 @@ class CompiledDecode:
             return self._graph(torch.tensor(ids, dtype=torch.long), cos, sin, slots,
                                self.cache.kv)
         finally:
-            _STEP.plan = None
+            _STEP.plan = _STEP.weights = None
 
 
 def _input_guards_only(entries) -> list[bool]:
@@ -265,8 +263,3 @@ def _input_guards_only(entries) -> list[bool]:
     object is the object's own)."""
     return [e.name == "" or (e.name in _INPUTS and e.guard_type == "TENSOR_MATCH")
             for e in entries]
-
-
-def _release(keys: list[int]) -> None:
-    for key in keys:
-        _WEIGHTS.pop(key, None)
