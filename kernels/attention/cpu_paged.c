@@ -40,6 +40,16 @@ static inline void load_row(const void *base, int64_t offset, int is_bf16, int d
     }
 }
 
+/* Ask for a cache row ahead of use: the rows of one item are scattered over blocks and, in
+ * a decode step, cold (the layer's weight products came in between), so without this the
+ * sweep waits on each row's memory latency in turn. */
+#define AHEAD 8
+static inline void prefetch_row(const void *base, int64_t offset, int is_bf16, int d) {
+    int elem = is_bf16 ? 2 : 4;
+    const char *p = (const char *)base + offset * elem;
+    for (int b = 0; b < d * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+
 /* One item: query heads [kvh*G, kvh*G+G) of sequence b against keys [t0, t1). */
 static void sweep(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                   const int64_t *table, int t0, int t1, int d, int bs, int64_t sb,
@@ -48,9 +58,18 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
     float kf[MAX_D], vf[MAX_D];
     const float *qh = q + (int64_t)kvh * g * d;
     int n = t1 - t0;
+    for (int j = 0; j < AHEAD && j < n; j++)
+        prefetch_row(k_cache, table[(t0 + j) / bs] * sb + ((t0 + j) % bs) * so + kvh * sh,
+                     is_bf16, d);
     for (int j = 0; j < n; j++) {
         int t = t0 + j;
-        load_row(k_cache, table[t / bs] * sb + (t % bs) * so + kvh * sh, is_bf16, d, kf);
+        int64_t row = table[t / bs] * sb + (t % bs) * so + kvh * sh;
+        if (j + AHEAD < n) {
+            int ta = t + AHEAD;
+            prefetch_row(k_cache, table[ta / bs] * sb + (ta % bs) * so + kvh * sh, is_bf16, d);
+        }
+        prefetch_row(v_cache, row, is_bf16, d);      /* read by the value pass below */
+        load_row(k_cache, row, is_bf16, d, kf);
         for (int gi = 0; gi < g; gi++) {
             const float *qg = qh + gi * d;
             float dot = 0.f;

@@ -19,9 +19,9 @@ custom ops inside the graph:
   change every step without changing the graph: as with vLLM's forward context, the step's
   prepared tables (and the weight table) are set beside the call (`_STEP`), not passed in.
 
-A step of B rows runs at the smallest bucket >= B. Rows B.. are copies of row 0: same token,
-position, KV slot and keys, so every layer's key and value they write is the one row 0
-writes, and the step is exact. Steps the graphs do not cover (any prefill, a batch past the
+A step of B rows runs at the smallest bucket >= B. Rows B.. are padding: row 0's token and
+position attending to one key of row 0's sequence. They write nothing into the cache and
+their logits are dropped, so the step is exact and padding costs products, not attention. Steps the graphs do not cover (any prefill, a batch past the
 largest bucket) run eagerly. The buckets compile when the runner is built (`warm`), before a
 server takes requests: 15-30 s each on 2 cores the first time, a few seconds from inductor's
 cache (`use_cache_dir`).
@@ -53,7 +53,8 @@ DEFAULT_CACHE = Path.home() / ".cache" / "splitstack" / "torchinductor"
 
 _INPUTS = ("ids", "cos", "sin", "slots", "kv")      # `_forward`'s arguments
 _STEP = threading.local()    # the step being run: .plan (cpu_paged.Prepared), .weights (the
-                             # engine's [(weight, bias)], which `splitstack::linear` indexes)
+                             # engine's [(weight, bias)], which `splitstack::linear` indexes),
+                             # .rows (the real rows; the rest are padding)
 
 
 @torch.library.custom_op("splitstack::linear", mutates_args=())
@@ -70,12 +71,14 @@ def _(x, key, out_features):
 @torch.library.custom_op("splitstack::paged_decode", mutates_args=("kv",))
 def _paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor,
                   layer: int, slots: torch.Tensor) -> torch.Tensor:
-    """Write the step's k, v [B, KV, D] into cache layer `layer` at flat `slots`, then
-    attend q [B, H, D] over each row's keys (the step's prepared tables)."""
+    """Write the step's k, v [B, KV, D] into cache layer `layer` at flat `slots` (the real
+    rows only: `_STEP.rows`), then attend q [B, H, D] over each row's keys (the step's
+    prepared tables)."""
     kvh, d = k.shape[-2:]
+    n = _STEP.rows
     k_cache, v_cache = kv[0, layer], kv[1, layer]
-    k_cache.view(-1, kvh, d)[slots] = k.to(kv.dtype)
-    v_cache.view(-1, kvh, d)[slots] = v.to(kv.dtype)
+    k_cache.view(-1, kvh, d)[slots[:n]] = k[:n].to(kv.dtype)
+    v_cache.view(-1, kvh, d)[slots[:n]] = v[:n].to(kv.dtype)
     return cpu_paged.decode(q, k_cache, v_cache, prepared=_STEP.plan)[0].to(q.dtype)
 
 
@@ -217,7 +220,7 @@ class CompiledDecode:
             if last is not None and batch > last:
                 break
             t = time.perf_counter()
-            self._call(batch, [0] * batch, [0] * batch, [[0]] * batch, [1] * batch)
+            self._call(batch, [0] * batch, [0] * batch, [[0]] * batch, [1] * batch, batch)
             self.compiled.add(batch)
             log.info("compiled the decode step for batch %d in %.1f s", batch,
                      time.perf_counter() - t)
@@ -234,19 +237,20 @@ class CompiledDecode:
         ids = [c.seq.tokens[c.start] for c in rows] + [first.seq.tokens[first.start]] * pad
         positions = [c.start for c in rows] + [first.start] * pad
         tables = [c.seq.block_table for c in rows] + [first.seq.block_table] * pad
-        lens = [c.start + 1 for c in rows] + [first.start + 1] * pad
+        lens = [c.start + 1 for c in rows] + [1] * pad
         self.used.add(batch)
-        return self._call(batch, ids, positions, tables, lens)[:n]
+        return self._call(batch, ids, positions, tables, lens, n)[:n]
 
     @torch.inference_mode()
     def _call(self, batch: int, ids: list[int], positions: list[int], tables: list[list[int]],
-              lens: list[int]) -> torch.Tensor:
+              lens: list[int], rows: int) -> torch.Tensor:
+        """The bucket-`batch` graph on these rows; the first `rows` are real."""
         bs = self.cache.block_size
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long)
         slots = table[torch.arange(batch), pos // bs] * bs + pos % bs
-        _STEP.weights = self.weights
+        _STEP.weights, _STEP.rows = self.weights, rows
         _STEP.plan = cpu_paged.prepare(table, torch.tensor(lens, dtype=torch.long), bs,
                                        self.heads, self.head_dim)
         cos, sin = self.model.rotary.cos_sin(pos, self.model.dtype)
