@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from kernels.attention import cpu_paged
 from kernels.cuda_graph import bucket_for
-from models.config import FULL_ATTENTION
 from models.layers import MLP, project, still_fused
 from models.model import CausalLM
 from services.engine.scheduler import SchedulerOutput
@@ -128,11 +127,10 @@ class CompiledDecode:
             raise ValueError(f"batch buckets must be >= 1, got {batch_buckets}")
         cfg = self.model.config
         self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.hidden = cfg.hidden_size
         self.weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         with torch.no_grad():       # `still_fused` holds only while no gradient is recorded
             self._plan = self._layer_plan()
-        limit = 64       # graphs per process: buckets x engines (tests build several)
+        limit = 4 * len(self.batch_buckets) + 8      # graphs per code object (per engine)
         dynamo = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo, name) and getattr(dynamo, name) < limit:

@@ -158,8 +158,13 @@ class ModelRunner:
                 log.warning("decode steps run eagerly: %s", reason)
             else:
                 self.compiled = compiled_decode.CompiledDecode(self, compile_buckets)
-                log.info("compiled the decode step in %.0f s (batch buckets %s)",
-                         self.compiled.warm(), self.compiled.batch_buckets)
+                try:
+                    log.info("compiled the decode step in %.0f s (batch buckets %s)",
+                             self.compiled.warm(), self.compiled.batch_buckets)
+                except Exception:   # inductor needs a C++ toolchain; serve without it
+                    log.warning("compiling the decode step failed; decode steps run eagerly",
+                                exc_info=True)
+                    self.compiled = None
 
     def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
         logits = self.run(out)

@@ -89,3 +89,14 @@ def test_the_cache_dir_is_set_for_inductor(tmp_path, monkeypatch):
     import os
 
     assert os.environ[compiled_decode.CACHE_ENV] == str(chosen)
+
+
+def test_a_failed_compile_leaves_the_eager_step(tiny_checkpoint, monkeypatch):
+    def fail(self, up_to=None):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "warm", fail)
+    path, _ = tiny_checkpoint("llama3")
+    compiled, plain = engines(load_model(path))
+    assert compiled.runner.compiled is None
+    assert_same(compiled, plain, PROMPTS, 0.0)
