@@ -5,6 +5,10 @@ products) and both, interleaved, median of N; and the step's weight products alo
 and int8 (the floor each mode streams at).
 
     .venv/bin/python bench/decode_compile.py [--batch 1 8] [--repeats 5] [--steps 32]
+    .venv/bin/python bench/decode_compile.py --batch --product-rows 1,2,4,6,8,16
+
+`--product-rows`: the step's products alone at each row count, bf16 against int8 forced at
+every row count (where `--quantization int8` should stop reading the int8 copy).
 
 Each mode has its own engine, built (and its graphs compiled) before any timing. A step is
 the engine's whole `step()`: scheduling, metadata, the model, sampling.
@@ -72,7 +76,9 @@ def products_ms(model, batch: int, repeats: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/zoo/smollm2-135m")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--product-rows", type=lambda s: [int(r) for r in s.split(",")],
+                    default=[])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
@@ -80,6 +86,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     plain = load_model(args.model, torch.bfloat16)
     quant = load_model(args.model, torch.bfloat16).quantize("int8")
+    if args.product_rows:
+        forced = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
+        print(f"model {args.model}, bf16, {args.threads} threads: one step's products, "
+              f"median of {args.repeats}, ms")
+        for rows in args.product_rows:
+            print(f"rows {rows}: bf16 {products_ms(plain, rows, args.repeats):.2f}, "
+                  f"int8 {products_ms(forced, rows, args.repeats):.2f}", flush=True)
+    if not args.batch:
+        return
     print(f"model {args.model}, bf16, {args.threads} threads, prompts of {PROMPT} tokens, "
           f"{args.steps} decode steps per run, median of {args.repeats} interleaved runs")
     for batch in args.batch:
