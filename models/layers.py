@@ -98,10 +98,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """`x @ weightᵀ (+ bias)`, choosing the CPU product by dtype and row count (`Linear`,
     tied heads).
 
-    A weight marked int8 (`mark_int8`, `--quantization int8`) runs its decode-sized products
-    (up to INT8_MAX_ROWS rows, or as marked) on its weight-only int8 copy (`aten._weight_int8pack_mm`:
-    int8 weights, per-row scales, activations in the weight's dtype); prompts keep the
-    weight itself, where the int8 product is 2-3x slower (bench/linear_products.py).
+    A weight marked int8 (`mark_int8`, `--quantization int8`) runs its products of up to
+    INT8_MAX_ROWS rows (or as marked) on its weight-only int8 copy
+    (`aten._weight_int8pack_mm`: int8 weights, per-row scales, activations in the weight's
+    dtype); larger products keep the weight itself, where the int8 product loses
+    (`bench/decode_compile.py --product-rows`).
 
     bf16 (the CPU serving dtype): oneDNN's product on a packed copy of the weight, any row
     count. fp32 with MKL: for a handful of rows `x @ Wᵀ` runs well below memory bandwidth,

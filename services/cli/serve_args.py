@@ -370,7 +370,8 @@ class ServeArgs:
             mlp_replicas=self.mlp_replicas or 1, wiring=self.wiring,
             transport=self.transport or "grpc", kv_splits=self.kv_splits,
             kv_cache_bytes=self.kv_cache_bytes, max_num_seqs=self.max_num_seqs,
-            dtype=self.dtype_name, quantization=self.quantization, threads=self.torch_threads, host=self.host, use_gpu=self.gpu,
+            dtype=self.dtype_name, quantization=self.quantization, threads=self.torch_threads,
+            host=self.host, use_gpu=self.gpu,
             prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security(),
             drain_timeout_s=self.drain_timeout)
 

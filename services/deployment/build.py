@@ -45,9 +45,9 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
     metrics go into `registry`; `model` is already quantized as `options.quantization` says
-    (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the model's fingerprint and
-    dtype, so replicas of one checkpoint share Redis entries and other checkpoints never
-    see them."""
+    (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
+    model's fingerprint and dtype, so replicas of one checkpoint share Redis entries and
+    other checkpoints never see them."""
     service = None
     if options.ridgefill:
         lexicon = (Lexicon.from_tokenizer(load_tokenizer(model_dir), model.config.vocab_size)

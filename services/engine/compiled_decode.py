@@ -21,11 +21,11 @@ custom ops inside the graph:
 
 A step of B rows runs at the smallest bucket >= B. Rows B.. are padding: row 0's token and
 position attending to one key of row 0's sequence. They write nothing into the cache and
-their logits are dropped, so the step is exact and padding costs products, not attention. Steps the graphs do not cover (any prefill, a batch past the
-largest bucket) run eagerly. The buckets compile when the runner is built (`warm`), before a
-server takes requests: 15-30 s each on 2 cores the first time, a few seconds from inductor's
-cache (`use_cache_dir`).
-"""
+their logits are dropped, so the step is exact and padding costs products, not attention.
+Steps the graphs do not cover (any prefill, a batch past the largest bucket) run eagerly.
+The buckets compile when the runner is built (`warm`), before a server takes requests:
+15-30 s each on 2 cores the first time, a few seconds from inductor's cache
+(`use_cache_dir`)."""
 from __future__ import annotations
 
 import logging
