@@ -1,11 +1,14 @@
 """Norms and feed-forward blocks shared by every family."""
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.linear import cpu_int8
 
 
 PACK_MIN_ELEMENTS = 2 << 20   # fp32 weights of 8 MB and up: one-row products run packed
@@ -57,29 +60,68 @@ def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
                    lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
 
-INT8_MAX_ROWS = 4      # products of up to this many rows read the int8 copy (past it bf16 wins)
+INT8_MAX_ROWS = 4      # torch's int8 product: up to this many rows (past it bf16 wins)
+INT8_NATIVE_MAX_ROWS = 16   # the VNNI kernel's: up to this many rows (past it bf16 wins)
 QUANT_ATTR = "_splitstack_quant"
 
 
-def mark_int8(weight: torch.Tensor, max_rows: int | float = INT8_MAX_ROWS) -> None:
-    """Let products of `weight` of up to `max_rows` rows (default: decode-sized) run on a
-    weight-only int8 copy (`int8_copy`); larger products (prompts) keep the weight itself.
-    `max_rows=math.inf`: every product (what `splitstack eval --quantization int8` scores)."""
-    setattr(weight, QUANT_ATTR, max_rows)
+def mark_int8(weight: torch.Tensor, *, prompts: bool = False) -> None:
+    """Let the decode-sized products of `weight` run on its int8 copy (`int8_copy`): up to
+    INT8_NATIVE_MAX_ROWS rows on the native VNNI kernel, INT8_MAX_ROWS on torch's product,
+    where each beats bf16 (`bench/decode_compile.py --product-rows`). Larger products (prompts)
+    keep the weight itself. `prompts`: every product (what `splitstack eval --quantization
+    int8` scores)."""
+    setattr(weight, QUANT_ATTR, math.inf if prompts else -1)
+
+
+class Int8Weight(NamedTuple):
+    """A weight's int8 copy: per-row int8 values and scales for torch's weight-only product
+    (`q`, `scales` in the weight's dtype), or, where the native kernel runs (AVX512-VNNI),
+    the same values in its packed layout (`packed`) alone."""
+    q: torch.Tensor | None
+    scales: torch.Tensor | None
+    packed: cpu_int8.Packed | None
+
+
+def _native_int8() -> bool:
+    return cpu_int8.vnni() and cpu_int8.available()
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-row int8: (q [N, K] int8, scales [N] in weight's dtype) with
     weight ~= q * scales[:, None], each row's largest magnitude mapped to 127."""
-    w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    q, scales = cpu_int8.quantize_rows(weight)
     return q, scales.to(weight.dtype)
 
 
-def int8_copy(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_int8(weight)`, built on first use and kept on the weight (`_cached`)."""
-    return _cached(weight, "_splitstack_int8", quantize_int8)
+def _int8_weight(weight: torch.Tensor) -> Int8Weight:
+    if _native_int8():
+        return Int8Weight(None, None, cpu_int8.pack(*cpu_int8.quantize_rows(weight)))
+    return Int8Weight(*quantize_int8(weight), None)
+
+
+def int8_copy(weight: torch.Tensor) -> Int8Weight:
+    """The weight's `Int8Weight`, built on first use and kept on the weight (`_cached`)."""
+    return _cached(weight, "_splitstack_int8", _int8_weight)
+
+
+def _int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  marked: float) -> torch.Tensor | None:
+    """`project` on the int8 copy, or None where this product keeps the weight."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or x.dtype != weight.dtype:
+        return None
+    native = _native_int8()
+    limit = marked if marked > 0 else (INT8_NATIVE_MAX_ROWS if native else INT8_MAX_ROWS)
+    if rows > limit:
+        return None
+    copy = int8_copy(weight)
+    if copy.packed is not None:
+        y = cpu_int8.linear(x, copy.packed)
+    else:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1).contiguous(), copy.q,
+                                               copy.scales).reshape(*x.shape[:-1], -1)
+    return y if bias is None else y + bias
 
 
 def row_bucket(m: int) -> int:
@@ -98,10 +140,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """`x @ weightᵀ (+ bias)`, choosing the CPU product by dtype and row count (`Linear`,
     tied heads).
 
-    A weight marked int8 (`mark_int8`, `--quantization int8`) runs its products of up to
-    INT8_MAX_ROWS rows (or as marked) on its weight-only int8 copy
-    (`aten._weight_int8pack_mm`: int8 weights, per-row scales, activations in the weight's
-    dtype); larger products keep the weight itself, where the int8 product loses
+    A weight marked int8 (`mark_int8`, `--quantization int8`) runs its decode-sized products
+    on its int8 copy: on a CPU with AVX512-VNNI, `kernels.linear.cpu_int8` (int8 weights
+    times activations quantized per row and 32-column group, as llama.cpp's Q8_0 path),
+    elsewhere torch's weight-only product (`aten._weight_int8pack_mm`, activations in the
+    weight's dtype). Larger products keep the weight itself, where int8 loses
     (`bench/decode_compile.py --product-rows`).
 
     bf16 (the CPU serving dtype): oneDNN's product on a packed copy of the weight, any row
@@ -114,13 +157,11 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """
     if not x.is_cpu or (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
-    max_rows = getattr(weight, QUANT_ATTR, 0)
-    if max_rows and x.dtype == weight.dtype and 0 < x.numel() <= max_rows * x.shape[-1]:
-        q, scales = int8_copy(weight)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), q, scales)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], -1)
+    marked = getattr(weight, QUANT_ATTR, 0)
+    if marked:
+        y = _int8_product(x, weight, bias, marked)
+        if y is not None:
+            return y
     if weight.dtype == torch.bfloat16:
         if not _ONEDNN_BF16 or x.dtype != torch.bfloat16 or x.numel() == 0:
             return F.linear(x, weight, bias)

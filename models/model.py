@@ -17,7 +17,6 @@ decode path, where the query and the key/value are computed in different process
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -27,7 +26,7 @@ from kernels.attention import get_backend
 from models.attention import FullAttention
 from models.config import FULL_ATTENTION, ModelConfig
 from models.gdn import GatedDeltaNet, GDNInputs
-from models.layers import (INT8_MAX_ROWS, MLP, Linear, RMSNorm, SparseMoE, int8_copy,
+from models.layers import (MLP, Linear, RMSNorm, SparseMoE, int8_copy,
                            mark_int8, project)
 from models.rope import Rotary
 
@@ -104,8 +103,9 @@ class CausalLM(nn.Module):
         return self
 
     def quantize(self, method: str | None, *, prompts: bool = False) -> "CausalLM":
-        """`int8`: weight-only int8 for the decode-sized products of every projection and
-        the LM head (`layers.mark_int8`); prompts keep the weights. The int8 copies the
+        """`int8`: int8 weights for the decode-sized products of every projection and the
+        LM head (`layers.mark_int8`; on AVX512-VNNI the activations too, per 32-column
+        group); prompts keep the weights. The int8 copies the
         engine's decode step reads (fused q/k/v and gate/up, o, down, the head) are made
         here, the rest (the Q-First split's separate views) on first use. `prompts`: every
         product reads the int8 copy, prompts too (an eval's strict bound: the scored losses
@@ -114,8 +114,7 @@ class CausalLM(nn.Module):
             return self
         if method != "int8":
             raise ValueError(f"unknown quantization {method!r}; choose from ['int8']")
-        rows = math.inf if prompts else INT8_MAX_ROWS
-        mark = lambda w: mark_int8(w, rows)  # noqa: E731
+        mark = lambda w: mark_int8(w, prompts=prompts)  # noqa: E731
         head = self.lm_head_weight()
         mark(head)
         used = [head]

@@ -1,13 +1,16 @@
-"""Weight-only int8 (`--quantization int8`): the per-row quantizer's error bound, decode-sized
-products on the int8 copy against the dequantized reference, prompts on the weights
-unchanged, and a quantized model's engine against the plain one."""
+"""Int8 (`--quantization int8`): the per-row quantizer's error bound, decode-sized products on
+the int8 copy (the native VNNI kernel where the CPU has it, torch's weight-only product
+otherwise) against their references, prompts on the weights unchanged, and a quantized
+model's engine against the plain one."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from models import load_model
-from models.layers import INT8_MAX_ROWS, mark_int8, project, quantize_int8
+from kernels.linear import cpu_int8
+from models import layers
+from models.layers import mark_int8, project, quantize_int8
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from tests.helpers.tail_replay import prompt
 
@@ -25,25 +28,50 @@ def test_each_row_rounds_to_within_half_its_step(dtype):
     assert (q.abs().amax(1) >= 126).all()        # each row's peak uses the full range
 
 
+@pytest.fixture(params=["native", "torch"])
+def int8_path(request, monkeypatch):
+    """Each int8 product path: the VNNI kernel (its plain-C loop without VNNI) and torch's."""
+    native = request.param == "native"
+    if native and not cpu_int8.available():
+        pytest.fail("the native int8 kernel did not build (a C compiler is part of setup)")
+    monkeypatch.setattr(layers, "_native_int8", lambda: native)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_sized_products_read_the_int8_copy_and_prompts_the_weight(dtype):
+def test_decode_sized_products_read_the_int8_copy_and_prompts_the_weight(dtype, int8_path):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(80, 64, generator=g).to(dtype)
     bias = torch.randn(80, generator=g).to(dtype)
     ref_w = w.clone()
     mark_int8(w)
     q, scales = quantize_int8(w)
-    deq = (q.float() * scales.float()[:, None])
-    for rows in (1, 3, INT8_MAX_ROWS):
+    limit = layers.INT8_NATIVE_MAX_ROWS if int8_path == "native" else layers.INT8_MAX_ROWS
+    for rows in (1, 3, limit):
         x = torch.randn(rows, 64, generator=g).to(dtype)
-        got = project(x, w, bias).float()
-        want = x.float() @ deq.T + bias.float()
-        tol = 1e-4 if dtype == torch.float32 else 0.05 * want.abs().max().item()
-        assert (got - want).abs().max().item() <= tol
+        got = project(x, w, bias)
+        assert got.dtype == dtype
+        if int8_path == "native":      # int8 activations too: the kernel's own reference
+            want = cpu_int8.reference(x, q, scales.float()) + bias.float()
+        else:
+            want = x.float() @ (q.float() * scales.float()[:, None]).T + bias.float()
+        tol = 1e-4 if dtype == torch.float32 else 0.01 * want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= tol
         plain = project(x, ref_w, bias).float()
-        assert (got - plain).abs().max().item() > 0         # it really is the int8 copy
-    x = torch.randn(INT8_MAX_ROWS + 1, 64, generator=g).to(dtype)
+        assert (got.float() - plain).abs().max().item() > 0     # it really is the int8 copy
+    x = torch.randn(limit + 1, 64, generator=g).to(dtype)
     assert torch.equal(project(x, w, bias), project(x, ref_w, bias))
+
+
+def test_marked_for_prompts_every_product_reads_the_int8_copy(int8_path):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 32, generator=g)
+    q, scales = quantize_int8(w)
+    mark_int8(w, prompts=True)
+    x = torch.randn(200, 32, generator=g)
+    want = cpu_int8.reference(x, q, scales) if int8_path == "native" else \
+        x @ (q.float() * scales[:, None]).T
+    assert (project(x, w) - want).abs().max().item() <= 1e-4
 
 
 def test_unknown_quantization_is_refused(tiny_checkpoint):
@@ -54,8 +82,9 @@ def test_unknown_quantization_is_refused(tiny_checkpoint):
 
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_a_quantized_model_decodes_near_the_plain_one(compile_decode, tiny_checkpoint):
-    """Same greedy tokens on a tiny model, logits within a few percent; the compiled
-    graph reads the same int8 copies as the eager step (same logits to rounding)."""
+    """Logits within a few percent of the plain model's while both have decoded the same
+    tokens (a flip only at a near-tie); the compiled graph reads the same int8 copies as the
+    eager step (same logits to rounding)."""
     path, _ = tiny_checkpoint("llama3")
     plain, quant = load_model(path), load_model(path).quantize("int8")
     cfg = dict(block_size=16, num_blocks=96, max_num_seqs=4)
@@ -63,8 +92,13 @@ def test_a_quantized_model_decodes_near_the_plain_one(compile_decode, tiny_check
     ref = LLMEngine(plain, EngineConfig(**cfg)).generate(prompts, GREEDY)
     eager = LLMEngine(quant, EngineConfig(**cfg)).generate(prompts, GREEDY)
     for r, e in zip(ref, eager):
-        a, b = torch.stack(r.logits), torch.stack(e.logits)
-        assert 0 < (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
+        for step, (a, b) in enumerate(zip(r.logits, e.logits)):
+            tol = 0.05 * a.abs().max().item()
+            assert 0 < (a - b).abs().max().item() <= tol
+            if r.output_ids[step] != e.output_ids[step]:
+                # a near-tie of the random tiny model may flip; later steps see other inputs
+                assert a[r.output_ids[step]] - a[e.output_ids[step]] <= 2 * tol
+                break
     if compile_decode:
         engine = LLMEngine(quant, EngineConfig(**cfg, compile_decode=True,
                                                compile_buckets=(4,)))

@@ -1,0 +1,1 @@
+"""Native CPU products (int8)."""
