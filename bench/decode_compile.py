@@ -1,14 +1,16 @@
 """What the engine's decode modes cost per step, in one run: SmolLM2 in bf16, the engine's
 eager step against `--compile` (decode steps as `torch.compile`d graphs,
-`services/engine/compiled_decode.py`), `--quantization int8` (weight-only int8 decode
-products) and both, interleaved, median of N; and the step's weight products alone in bf16
-and int8 (the floor each mode streams at).
+`services/engine/compiled_decode.py`), `--quantization int8` (int8 decode products) and
+both, interleaved, median of N; and the step's weight products alone in bf16 and int8 (the
+floor each mode streams at).
 
     .venv/bin/python bench/decode_compile.py [--batch 1 8] [--repeats 5] [--steps 32]
     .venv/bin/python bench/decode_compile.py --batch --product-rows 1,2,4,6,8,16
 
 `--product-rows`: the step's products alone at each row count, bf16 against int8 forced at
-every row count (where `--quantization int8` should stop reading the int8 copy).
+every row count, on the native VNNI kernel (`kernels/linear/cpu_int8.c`, where the CPU has
+VNNI) and on torch's weight-only product: where `--quantization int8` should stop reading
+the int8 copy (`models.layers.INT8_NATIVE_MAX_ROWS`, `INT8_MAX_ROWS`).
 
 Each mode has its own engine, built (and its graphs compiled) before any timing. A step is
 the engine's whole `step()`: scheduling, metadata, the model, sampling.
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import load_model  # noqa: E402
+from models import layers  # noqa: E402
 from models.layers import project  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 
@@ -87,12 +90,20 @@ def main() -> None:
     plain = load_model(args.model, torch.bfloat16)
     quant = load_model(args.model, torch.bfloat16).quantize("int8")
     if args.product_rows:
+        native_int8 = layers._native_int8
         forced = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
+        layers._native_int8 = lambda: False          # the copies built here are torch's
+        forced_torch = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
+        layers._native_int8 = native_int8
+        native = native_int8()
         print(f"model {args.model}, bf16, {args.threads} threads: one step's products, "
               f"median of {args.repeats}, ms")
         for rows in args.product_rows:
-            print(f"rows {rows}: bf16 {products_ms(plain, rows, args.repeats):.2f}, "
-                  f"int8 {products_ms(forced, rows, args.repeats):.2f}", flush=True)
+            line = f"rows {rows}: bf16 {products_ms(plain, rows, args.repeats):.2f}, "
+            if native:
+                line += f"int8 native {products_ms(forced, rows, args.repeats):.2f}, "
+            line += f"int8 torch {products_ms(forced_torch, rows, args.repeats):.2f}"
+            print(line, flush=True)
     if not args.batch:
         return
     print(f"model {args.model}, bf16, {args.threads} threads, prompts of {PROMPT} tokens, "

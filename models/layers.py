@@ -1,6 +1,7 @@
 """Norms and feed-forward blocks shared by every family."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -83,6 +84,7 @@ class Int8Weight(NamedTuple):
     packed: cpu_int8.Packed | None
 
 
+@functools.cache
 def _native_int8() -> bool:
     return cpu_int8.vnni() and cpu_int8.available()
 

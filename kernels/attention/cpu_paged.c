@@ -58,15 +58,20 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
     float kf[MAX_D], vf[MAX_D];
     const float *qh = q + (int64_t)kvh * g * d;
     int n = t1 - t0;
-    for (int j = 0; j < AHEAD && j < n; j++)
-        prefetch_row(k_cache, table[(t0 + j) / bs] * sb + ((t0 + j) % bs) * so + kvh * sh,
-                     is_bf16, d);
+    /* cursors (block, offset) walk the keys without a division per key: `at` the key being
+     * read, `ahead` the key AHEAD of it being prefetched */
+    int at_b = t0 / bs, at_o = t0 % bs, ahead_b = at_b, ahead_o = at_o;
+    int64_t head = (int64_t)kvh * sh;
+    for (int j = 0; j < AHEAD && j < n; j++) {
+        prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
+        if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
+    }
     for (int j = 0; j < n; j++) {
-        int t = t0 + j;
-        int64_t row = table[t / bs] * sb + (t % bs) * so + kvh * sh;
+        int64_t row = table[at_b] * sb + at_o * so + head;
+        if (++at_o == bs) { at_o = 0; at_b++; }
         if (j + AHEAD < n) {
-            int ta = t + AHEAD;
-            prefetch_row(k_cache, table[ta / bs] * sb + (ta % bs) * so + kvh * sh, is_bf16, d);
+            prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
+            if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
         }
         prefetch_row(v_cache, row, is_bf16, d);      /* read by the value pass below */
         load_row(k_cache, row, is_bf16, d, kf);
@@ -90,9 +95,10 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
         l_out[gi] = l;
         memset(acc + gi * d, 0, (size_t)d * sizeof(float));
     }
+    at_b = t0 / bs, at_o = t0 % bs;
     for (int j = 0; j < n; j++) {
-        int t = t0 + j;
-        load_row(v_cache, table[t / bs] * sb + (t % bs) * so + kvh * sh, is_bf16, d, vf);
+        load_row(v_cache, table[at_b] * sb + at_o * so + head, is_bf16, d, vf);
+        if (++at_o == bs) { at_o = 0; at_b++; }
         for (int gi = 0; gi < g; gi++) {
             float p = s[gi * n + j], *a = acc + gi * d;
 #pragma omp simd

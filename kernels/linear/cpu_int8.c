@@ -2,7 +2,7 @@
  * and x quantized to int8 on the fly, per row and per group of GROUP columns (dynamic,
  * symmetric, as llama.cpp's Q8_0 activations), multiplied with AVX512-VNNI.
  *
- *     x[m, k] ~= xs[m, g] * xq[m, k]          (k in group g; xq in [-127, 127])
+ *     x[m, k] ~= xs[m, g] * xq[m, k]          (k in group g; xq = rne(x * 127 / amax_g))
  *     W[n, k] ~= ws[n] * wq[n, k]             (wq in [-127, 127])
  *     y[m, n]  = ws[n] * sum_g xs[m, g] * sum_{k in g} xq[m, k] * wq[n, k]
  *
@@ -24,7 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512VNNI__
+#ifdef __AVX512F__
 #include <immintrin.h>
 #endif
 
@@ -47,10 +47,10 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* Row m of x: its int8 values (k padded with zeros to a multiple of 4), per-group scales and
- * the row's correction term. Returns nothing; a zero group gets scale 0. */
-static void quantize_row(const void *x, int x_bf16, int64_t offset, int k, int group,
-                         int8_t *xq, float *xs, float *corr) {
-    float buf[256];
+ * the row's correction term. A group's values are round-to-nearest-even(x * (127 / amax)),
+ * its scale amax / 127; a zero group gets scale 0 and zeros. */
+static void quantize_row_scalar(const void *x, int x_bf16, int64_t offset, int k, int group,
+                                int8_t *xq, float *xs, float *corr) {
     double c = 0.0;
     int ng = (k + group - 1) / group;
     for (int g = 0; g < ng; g++) {
@@ -59,27 +59,82 @@ static void quantize_row(const void *x, int x_bf16, int64_t offset, int k, int g
         for (int i = 0; i < kn; i++) {
             float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[offset + k0 + i])
                              : ((const float *)x)[offset + k0 + i];
-            buf[i] = v;
             float a = fabsf(v);
             amax = a > amax ? a : amax;
         }
-        float scale = amax / 127.f;
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
         int sum = 0;
         for (int i = 0; i < kn; i++) {
-            int q = scale > 0.f ? (int)nearbyintf(buf[i] / scale) : 0;
+            float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[offset + k0 + i])
+                             : ((const float *)x)[offset + k0 + i];
+            int q = (int)lrintf(v * inv);
             q = q > 127 ? 127 : (q < -127 ? -127 : q);
             xq[k0 + i] = (int8_t)q;
             sum += q;
         }
-        xs[g] = scale;
-        c += (double)scale * 128.0 * (double)sum;
+        xs[g] = amax / 127.f;
+        c += (double)(amax / 127.f) * 128.0 * (double)sum;
     }
     for (int i = k; i < ((k + 3) & ~3); i++) xq[i] = 0;
     *corr = (float)c;
 }
 
+#ifdef __AVX512F__
+/* 16 values from x at index i (bf16 or fp32), lanes past n zero. */
+static inline __m512 load16(const void *x, int x_bf16, int64_t i, int n) {
+    __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+    if (x_bf16) {
+        __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)x + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
+}
+
+/* quantize_row_scalar's math, 16 lanes at a time (groups a multiple of 16 columns). */
+static void quantize_row(const void *x, int x_bf16, int64_t offset, int k, int group,
+                         int8_t *xq, float *xs, float *corr) {
+    if (group % 16 || group > 256) {
+        quantize_row_scalar(x, x_bf16, offset, k, group, xq, xs, corr);
+        return;
+    }
+    double c = 0.0;
+    int ng = (k + group - 1) / group;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    __m512 v[16];
+    for (int g = 0; g < ng; g++) {
+        int k0 = g * group, kn = k - k0 < group ? k - k0 : group, nv = (kn + 15) / 16;
+        __m512 amax = _mm512_setzero_ps();
+        for (int j = 0; j < nv; j++) {
+            v[j] = load16(x, x_bf16, offset + k0 + j * 16, kn - j * 16);
+            amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, v[j]));
+        }
+        float a = _mm512_reduce_max_ps(amax);
+        __m512 inv = _mm512_set1_ps(a > 0.f ? 127.f / a : 0.f);
+        __m512i sum = _mm512_setzero_si512();
+        for (int j = 0; j < nv; j++) {
+            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v[j], inv));      /* nearest even */
+            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)),
+                                 _mm512_set1_epi32(-127));
+            sum = _mm512_add_epi32(sum, q);
+            int n = kn - j * 16;
+            __mmask16 mask = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+            _mm512_mask_cvtepi32_storeu_epi8(xq + k0 + j * 16, mask, q);
+        }
+        xs[g] = a / 127.f;
+        c += (double)(a / 127.f) * 128.0 * (double)_mm512_reduce_add_epi32(sum);
+    }
+    for (int i = k; i < ((k + 3) & ~3); i++) xq[i] = 0;
+    *corr = (float)c;
+}
+#else
+#define quantize_row quantize_row_scalar
+#endif
+
 #define BLOCK 4           /* 16-row tiles per packed block: 64 outputs, 256 bytes per column quad */
 #define MT_MAX 3          /* rows per register pass */
+#ifndef PREFETCH
+#define PREFETCH 16       /* column quads ahead */
+#endif
 
 /* Output lanes [n0, n0 + 16) of row y_row from v (fp32), masked past n_out. */
 #ifdef __AVX512VNNI__
@@ -106,8 +161,10 @@ static inline __attribute__((always_inline)) void tile(
         const uint8_t *w, const int8_t *xq, int64_t xq_stride, const float *xs,
         int64_t xs_stride, const float *corr, const float *ws, int k4, int group, void *y,
         int y_bf16, int64_t y_stride, int n0, int n_out, const int MT, const int NT) {
-    __m512 acc[MT][NT];
-    __m512i dot[MT][NT];
+    /* fixed sizes (not MT x NT, which would make them variable-length arrays in memory): the
+     * loops unroll and every element stays in a register */
+    __m512 acc[MT_MAX][BLOCK];
+    __m512i dot[MT_MAX][BLOCK];
     for (int m = 0; m < MT; m++)
         for (int t = 0; t < NT; t++) acc[m][t] = _mm512_setzero_ps();
     int g4 = group / 4;
@@ -116,9 +173,10 @@ static inline __attribute__((always_inline)) void tile(
         for (int m = 0; m < MT; m++)
             for (int t = 0; t < NT; t++) dot[m][t] = _mm512_setzero_si512();
         for (int q = q0; q < q1; q++) {
-            __m512i wv[NT];
+            __m512i wv[BLOCK];
             const uint8_t *wq = w + (int64_t)q * (BLOCK * 64);
-            _mm_prefetch((const char *)(wq + 8 * BLOCK * 64), _MM_HINT_T0);
+            for (int line = 0; line < NT; line++)
+                _mm_prefetch((const char *)(wq + PREFETCH * BLOCK * 64 + line * 64), _MM_HINT_T0);
             for (int t = 0; t < NT; t++) wv[t] = _mm512_loadu_si512((const void *)(wq + t * 64));
             for (int m = 0; m < MT; m++) {
                 int32_t four;

@@ -10,6 +10,8 @@ in plain C, and without a compiler `available()` is False and callers keep torch
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +25,15 @@ MAX_ROWS = 1 << 24  # the C file's limit on rows per call
 MAX_K = 16384
 
 _lib: ctypes.CDLL | None | bool = False      # False: not tried yet; None: unavailable
+_local = threading.local()                   # each thread's scratch (ctypes drops the GIL)
+
+
+def _scratch(nbytes: int) -> int:
+    """The address of this thread's scratch of at least `nbytes` (kept between calls)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buf.data_ptr()
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -42,6 +53,7 @@ def available() -> bool:
     return library() is not None
 
 
+@functools.cache
 def vnni() -> bool:
     """Whether the kernel runs on VNNI here (otherwise its plain-C loop: correct, slow)."""
     return "avx512_vnni" in native.cpu_flags()
@@ -90,7 +102,7 @@ def linear(x: torch.Tensor, packed: Packed, *, group: int = GROUP,
     k = packed.in_features
     if x.shape[-1] != k or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not fit a weight of in_features {k}")
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m = rows.shape[0]
@@ -98,17 +110,16 @@ def linear(x: torch.Tensor, packed: Packed, *, group: int = GROUP,
     if m == 0:
         return y.reshape(*x.shape[:-1], packed.out_features)
     k4, ng = -(-k // 4), -(-k // group)
-    xq = torch.empty(m * k4 * 4, dtype=torch.int8)
-    scratch = torch.empty(m * ng + m)
-    base = scratch.data_ptr()
+    xq_bytes = (m * k4 * 4 + 63) // 64 * 64          # the row sums' floats start aligned
+    base = _scratch(xq_bytes + 4 * (m * ng + m))
     bf16 = int(x.dtype == torch.bfloat16)
     rc = lib.int8_linear(rows.data_ptr(), bf16, rows.stride(0), m, k, packed.data.data_ptr(),
                          packed.scales.data_ptr(), packed.out_features, group, y.data_ptr(), bf16,
-                         threads or torch.get_num_threads(), xq.data_ptr(), base,
-                         base + 4 * m * ng)
+                         threads or torch.get_num_threads(), base, base + xq_bytes,
+                         base + xq_bytes + 4 * m * ng)
     if rc != 0:
         raise ValueError(f"int8_linear refused rows={m} k={k} group={group}")
-    return y.reshape(*x.shape[:-1], packed.out_features)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], packed.out_features)
 
 
 def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,10 +130,10 @@ def quantize_activations(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     padded = torch.zeros(m, ng * group)
     padded[:, :k] = x
     g = padded.reshape(m, ng, group)
-    xs = g.abs().amax(dim=2) / 127.0
-    safe = torch.where(xs > 0, xs, torch.ones_like(xs))
-    xq = torch.where(xs[..., None] > 0, torch.round(g / safe[..., None]), torch.zeros_like(g))
-    return xq.clamp(-127, 127).reshape(m, -1)[:, :k], xs
+    amax = g.abs().amax(dim=2)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(g * inv[..., None])             # half to even, as the C file's rounding
+    return xq.clamp(-127, 127).reshape(m, -1)[:, :k], amax / 127.0
 
 
 def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,

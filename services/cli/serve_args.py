@@ -80,9 +80,11 @@ class ServeArgs:
     dtype: str = flag("auto", "weights, activations and KV cache of the model; auto: "
                               "bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), else "
                               "float32 (also with --gpu)", choices=("auto", *sorted(DTYPES)))
-    quantization: str | None = flag(None, "int8: weight-only int8 (per-row scales) for the "
-                                          "decode steps' products, prompts keep the weights "
-                                          "(1.5x the weight memory)", choices=("int8",))
+    quantization: str | None = flag(None, "int8: int8 weights (per-row scales) for the "
+                                          "decode steps' products, with int8 activations "
+                                          "(per 32 columns) on AVX512-VNNI; prompts keep "
+                                          "the weights (1.5x the weight memory)",
+                                    choices=("int8",))
     compile: bool = flag(False, "decode steps as torch.compile'd graphs, one per batch "
                                 "bucket, built at start (CPU, dense full-attention models; "
                                 "cached under ~/.cache/splitstack/torchinductor)")

@@ -67,7 +67,7 @@ class ClusterConfig:
     block_size: int = 16
     max_num_seqs: int = 16
     dtype: str = "float32"
-    quantization: str | None = None    # int8: weight-only int8 decode products (every member)
+    quantization: str | None = None    # int8: int8 decode products (every member)
     threads: int = 1                   # torch threads per actor
     host: str = "127.0.0.1"            # where actors bind gRPC (0.0.0.0: all, node IP shown)
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--chat", action="store_true", help="wrap items in the chat template")
     ev.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ev.add_argument("--quantization", choices=("int8",),
-                    help="int8: score the model with weight-only int8 in every product "
+                    help="int8: score the model with int8 in every product "
                          "(prompts too: a bound on the serving mode, which keeps prompts)")
     ev.add_argument("--threads", type=bounded(1), default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
