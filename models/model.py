@@ -139,7 +139,8 @@ class CausalLM(nn.Module):
                 used += [mlp.down_proj.weight] if mlp.gate_up is not None else \
                     [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
         for w in used:
-            int8_copy(w)
+            if w.dim() == 2 and w.numel():  # a member's placeholders for weights it lacks: none
+                int8_copy(w)
         return self
 
     # ---- stages --------------------------------------------------------------------

@@ -14,12 +14,13 @@
  *
  * Weights are packed (by kernels/linear/cpu_int8.py) as [N/64][K/4][4][16][4] bytes: one
  * 64-byte load is 4 consecutive columns of 16 output rows (the lanes vpdpbusd sums), and a
- * block of 64 output rows streams as one sequential run of 256-byte column quads. Every integer
- * sum is exact (|xq * wu| <= 127 * 255, summed within a group of at most 4096 columns), so
- * the result differs from the reference math only in the float sums' order.
+ * block of 64 output rows streams as one sequential run of 256-byte column quads. Every
+ * integer sum is exact (|xq * wu| <= 127 * 255, summed over a group of at most 256 columns),
+ * so the result differs from the reference math only in the float sums' order.
  *
  * x and y are fp32 or bf16 (widened / rounded to nearest even). Threads (OpenMP, torch's
- * libgomp) split the output rows; rows are taken 3 at a time against a block held in L1/L2. Without AVX512-VNNI the same math runs in plain C.
+ * libgomp) split the output rows; rows are taken 3 at a time against a block held in L1/L2.
+ * Without AVX512-VNNI the same math runs in plain C.
  */
 #include <math.h>
 #include <stdint.h>
