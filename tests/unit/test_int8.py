@@ -106,3 +106,22 @@ def test_a_quantized_model_decodes_near_the_plain_one(compile_decode, tiny_check
             assert c.output_ids == e.output_ids
             assert (torch.stack(c.logits) - torch.stack(e.logits)).abs().max().item() <= 1e-4
         assert engine.runner.compiled.used == {4}
+
+
+@pytest.mark.parametrize("side", ["attention", "pool"])
+def test_a_q_first_member_quantizes_what_it_holds(side, tiny_checkpoint):
+    """Each side of the Q-First split frees the weights it does not hold (empty
+    placeholders); quantizing it builds int8 copies of what it holds and skips the rest."""
+    from models.split import keep_side
+
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    keep_side(model, side)
+    model.quantize("int8")
+    layer = model.model.layers[0]
+    held = layer.mlp.down_proj.weight if side == "pool" else layer.self_attn.o_proj.weight
+    freed = layer.self_attn.o_proj.weight if side == "pool" else layer.mlp.down_proj.weight
+    assert held.numel() and getattr(held, "_splitstack_int8", None) is not None
+    assert freed.numel() == 0 and getattr(freed, "_splitstack_int8", None) is None
+    x = torch.randn(2, held.shape[1])
+    assert (project(x, held) - x @ held.T).abs().max().item() < 0.05 * (x @ held.T).abs().max()
