@@ -50,12 +50,63 @@ static inline void prefetch_row(const void *base, int64_t offset, int is_bf16, i
     for (int b = 0; b < d * elem; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* Pairwise partial sums, within 128-bit lanes: [a0+a2, b0+b2, a1+a3, b1+b3] per lane. */
+static inline __m512 sum_ps_pairs(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+/* Of two sum_ps_pairs results (a, b | c, d): each 128-bit lane's [a, b, c, d] partials. */
+static inline __m512 sum_pd_pairs(__m512 x, __m512 y) {
+    __m512d xd = _mm512_castps_pd(x), yd = _mm512_castps_pd(y);
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(xd, yd)),   /* 64-bit moves, */
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(xd, yd)));  /* float adds */
+}
+
+/* The 16 horizontal sums of v[0..15] as one vector, lane j = sum of v[j] (45 shuffles and
+ * adds, against about 10 per vector reduced alone). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 x[4];
+    for (int i = 0; i < 4; i++)
+        x[i] = sum_pd_pairs(sum_ps_pairs(v[4 * i], v[4 * i + 1]),
+                            sum_ps_pairs(v[4 * i + 2], v[4 * i + 3]));
+    __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88),
+                               _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88),
+                               _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88),
+                         _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+/* Scores of G query heads against up to 16 key rows kt[j][0..d) (fp32, zero past nk rows):
+ * s[gi * n + j0 + j] = scale * q_gi . k_j for j < nk. */
+static void score16(const float *qh, const float kt[16][MAX_D], int nk, int d, int g,
+                    float scale, float *s, int n, int j0) {
+    __mmask16 keys = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1u);
+    for (int gi = 0; gi < g; gi++) {
+        const float *qg = qh + gi * d;
+        __m512 acc[16];
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+        for (int i = 0; i < d; i += 16) {
+            __mmask16 cols = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            __m512 qv = _mm512_maskz_loadu_ps(cols, qg + i);
+            for (int j = 0; j < 16; j++)
+                acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(cols, kt[j] + i), acc[j]);
+        }
+        __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + gi * n + j0, keys, sc);
+    }
+}
+#endif
+
 /* One item: query heads [kvh*G, kvh*G+G) of sequence b against keys [t0, t1). */
 static void sweep(const float *q, const void *k_cache, const void *v_cache, int is_bf16,
                   const int64_t *table, int t0, int t1, int d, int bs, int64_t sb,
                   int64_t so, int64_t sh, int kvh, int g, float scale, float *s, float *acc, float *m_out,
                   float *l_out) {
-    float kf[MAX_D], vf[MAX_D];
+    float vf[MAX_D];
     const float *qh = q + (int64_t)kvh * g * d;
     int n = t1 - t0;
     /* cursors (block, offset) walk the keys without a division per key: `at` the key being
@@ -66,6 +117,25 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
         prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
         if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
     }
+#ifdef __AVX512F__
+    float kt[16][MAX_D];
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        int nk = n - j0 < 16 ? n - j0 : 16;
+        for (int j = j0; j < j0 + nk; j++) {
+            int64_t row = table[at_b] * sb + at_o * so + head;
+            if (++at_o == bs) { at_o = 0; at_b++; }
+            if (j + AHEAD < n) {
+                prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
+                if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
+            }
+            prefetch_row(v_cache, row, is_bf16, d);      /* read by the value pass below */
+            load_row(k_cache, row, is_bf16, d, kt[j - j0]);
+        }
+        for (int j = nk; j < 16; j++) memset(kt[j], 0, (size_t)d * sizeof(float));
+        score16(qh, (const float (*)[MAX_D])kt, nk, d, g, scale, s, n, j0);
+    }
+#else
+    float kf[MAX_D];
     for (int j = 0; j < n; j++) {
         int64_t row = table[at_b] * sb + at_o * so + head;
         if (++at_o == bs) { at_o = 0; at_b++; }
@@ -83,6 +153,7 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
             s[gi * n + j] = dot * scale;
         }
     }
+#endif
     for (int gi = 0; gi < g; gi++) {
         float *sg = s + gi * n, m = sg[0], l = 0.f;
         for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;
