@@ -27,7 +27,7 @@ def test_kernel_builds_here():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("h,kv,d", [(9, 3, 64), (8, 8, 32), (16, 2, 128)])
+@pytest.mark.parametrize("h,kv,d", [(9, 3, 64), (8, 8, 32), (16, 2, 128), (6, 2, 40)])
 @pytest.mark.parametrize("chunk", [16, 256])
 def test_decode_matches_naive(dtype, h, kv, d, chunk):
     lens = [1, 37, 300, 16, 0, 129]               # one key, block edges, several chunks, none
