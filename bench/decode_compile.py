@@ -9,8 +9,10 @@ floor each mode streams at).
 
 `--product-rows`: the step's products alone at each row count, bf16 against int8 forced at
 every row count, on the native VNNI kernel (`kernels/linear/cpu_int8.c`, where the CPU has
-VNNI) and on torch's weight-only product: where `--quantization int8` should stop reading
-the int8 copy (`models.layers.INT8_NATIVE_MAX_ROWS`, `INT8_MAX_ROWS`).
+VNNI; "apart": each weight's copy in its own tensor instead of one buffer on huge pages,
+`kernels.linear.cpu_int8.consolidate`) and on torch's weight-only product: where
+`--quantization int8` should stop reading the int8 copy
+(`models.layers.INT8_NATIVE_MAX_ROWS`, `INT8_MAX_ROWS`).
 
 Each mode has its own engine, built (and its graphs compiled) before any timing. A step is
 the engine's whole `step()`: scheduling, metadata, the model, sampling.
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models import load_model  # noqa: E402
 from models import layers  # noqa: E402
+from models import model as model_module  # noqa: E402
 from models.layers import project  # noqa: E402
 from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
 
@@ -90,8 +93,11 @@ def main() -> None:
     plain = load_model(args.model, torch.bfloat16)
     quant = load_model(args.model, torch.bfloat16).quantize("int8")
     if args.product_rows:
-        native_int8 = layers._native_int8
+        native_int8, consolidate = layers._native_int8, model_module.consolidate_int8
         forced = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
+        model_module.consolidate_int8 = lambda weights: None   # each copy its own tensor
+        forced_apart = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
+        model_module.consolidate_int8 = consolidate
         layers._native_int8 = lambda: False          # the copies built here are torch's
         forced_torch = load_model(args.model, torch.bfloat16).quantize("int8", prompts=True)
         layers._native_int8 = native_int8
@@ -101,7 +107,8 @@ def main() -> None:
         for rows in args.product_rows:
             line = f"rows {rows}: bf16 {products_ms(plain, rows, args.repeats):.2f}, "
             if native:
-                line += f"int8 native {products_ms(forced, rows, args.repeats):.2f}, "
+                line += (f"int8 native {products_ms(forced, rows, args.repeats):.2f}, "
+                         f"int8 native apart {products_ms(forced_apart, rows, args.repeats):.2f}, ")
             line += f"int8 torch {products_ms(forced_torch, rows, args.repeats):.2f}"
             print(line, flush=True)
     if not args.batch:

@@ -64,6 +64,7 @@ def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
 INT8_MAX_ROWS = 4      # torch's int8 product: up to this many rows (past it bf16 wins)
 INT8_NATIVE_MAX_ROWS = 16   # the VNNI kernel's: up to this many rows (past it bf16 wins)
 QUANT_ATTR = "_splitstack_quant"
+INT8_ATTR = "_splitstack_int8"      # (version, Int8Weight), as `_cached` keeps it
 
 
 def mark_int8(weight: torch.Tensor, *, prompts: bool = False) -> None:
@@ -104,7 +105,20 @@ def _int8_weight(weight: torch.Tensor) -> Int8Weight:
 
 def int8_copy(weight: torch.Tensor) -> Int8Weight:
     """The weight's `Int8Weight`, built on first use and kept on the weight (`_cached`)."""
-    return _cached(weight, "_splitstack_int8", _int8_weight)
+    return _cached(weight, INT8_ATTR, _int8_weight)
+
+
+def consolidate_int8(weights: list[torch.Tensor]) -> None:
+    """Move the native int8 copies of `weights` (already built; given in the order a decode
+    step reads them) into one buffer on huge pages (`cpu_int8.consolidate`). Torch's copies,
+    where the CPU has no VNNI, stay as they are."""
+    native = [(w, getattr(w, INT8_ATTR, None)) for w in weights]
+    native = [(w, c) for w, c in native if c is not None and c[1].packed is not None]
+    if not native:
+        return
+    moved = cpu_int8.consolidate([copy.packed for _, (_, copy) in native])
+    for (w, (version, copy)), packed in zip(native, moved):
+        setattr(w, INT8_ATTR, (version, copy._replace(packed=packed)))
 
 
 def _int8_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -26,7 +26,7 @@ from kernels.attention import get_backend
 from models.attention import FullAttention
 from models.config import FULL_ATTENTION, ModelConfig
 from models.gdn import GatedDeltaNet, GDNInputs
-from models.layers import (MLP, Linear, RMSNorm, SparseMoE, int8_copy,
+from models.layers import (MLP, Linear, RMSNorm, SparseMoE, consolidate_int8, int8_copy,
                            mark_int8, project)
 from models.rope import Rotary
 
@@ -128,19 +128,19 @@ class CausalLM(nn.Module):
                 if fused is not None:       # the fused matrix and its k/v (or up) rows
                     mark(fused.weight)
                     mark(fused.rest[0])
-                    used.append(fused.weight)
-            if layer.kind == FULL_ATTENTION:
+            if layer.kind == FULL_ATTENTION:    # in the order a decode step reads them
                 attn = layer.self_attn
-                used += [attn.o_proj.weight] if attn.qkv is not None else \
+                used += [attn.qkv.weight, attn.o_proj.weight] if attn.qkv is not None else \
                     [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight,
                      attn.o_proj.weight]
             if isinstance(layer.mlp, MLP):
                 mlp = layer.mlp
-                used += [mlp.down_proj.weight] if mlp.gate_up is not None else \
-                    [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-        for w in used:
-            if w.dim() == 2 and w.numel():  # a member's placeholders for weights it lacks: none
-                int8_copy(w)
+                used += [mlp.gate_up.weight, mlp.down_proj.weight] if mlp.gate_up is not None \
+                    else [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+        built = [w for w in used if w.dim() == 2 and w.numel()]  # not a member's placeholders
+        for w in built:
+            int8_copy(w)
+        consolidate_int8(built[1:] + built[:1])         # in step order: the head comes last
         return self
 
     # ---- stages --------------------------------------------------------------------

@@ -92,6 +92,43 @@ def pack(q: torch.Tensor, scales: torch.Tensor) -> Packed:
     return Packed(data.contiguous(), s, n, k)
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def _huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """An untouched uint8 buffer of `nbytes` starting on a 2 MB boundary, advised for
+    transparent huge pages (Linux; elsewhere, or where the advice fails, a plain buffer).
+    The advice comes before the first write, so the pages fault in 2 MB at a time."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % HUGE_PAGE
+    buf = raw[start:start + nbytes]
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(buf.data_ptr(), -(-nbytes // HUGE_PAGE) * HUGE_PAGE, MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+    return buf
+
+
+def consolidate(packs: list[Packed]) -> list[Packed]:
+    """The same weights copied into one buffer on huge pages, in the given order (the order
+    a decode step reads them), each 4 KB-aligned. A product then streams its weight without
+    a TLB miss and a restarted hardware prefetch at every 4 KB page
+    (`bench/decode_compile.py --product-rows`: "int8 native, one buffer")."""
+    align = 4096
+    sizes = [-(-p.data.numel() // align) * align for p in packs]
+    buf = _huge_page_buffer(max(sum(sizes), 1))
+    out, offset = [], 0
+    for p, size in zip(packs, sizes):
+        view = buf[offset:offset + p.data.numel()].view(p.data.shape)
+        view.copy_(p.data)
+        out.append(p._replace(data=view))
+        offset += size
+    return out
+
+
 def linear(x: torch.Tensor, packed: Packed, *, group: int = GROUP,
            threads: int | None = None) -> torch.Tensor:
     """`x @ Wᵀ` for x [..., K] fp32 or bf16 with at most MAX_ROWS rows; the result has x's

@@ -81,3 +81,17 @@ def test_refuses_what_does_not_fit():
         cpu_int8.linear(torch.randn(2, 63), packed)
     with pytest.raises(ValueError, match="refused"):
         cpu_int8.linear(torch.randn(2, 64), packed, group=6)
+
+
+def test_consolidated_weights_give_the_same_products():
+    """`consolidate` copies packed weights into one 2 MB-aligned buffer, in order, each on
+    its own 4 KB boundary: the same products."""
+    weights = [_weight(n, k, seed=n) for n, k in [(64, 64), (200, 36), (37, 22)]]
+    moved = cpu_int8.consolidate([p for _, _, p in weights])
+    starts = [m.data.data_ptr() for m in moved]
+    assert starts[0] % cpu_int8.HUGE_PAGE == 0 and all(a % 4096 == 0 for a in starts)
+    assert starts == sorted(starts)
+    for (_, _, packed), m in zip(weights, moved):
+        assert m.data.data_ptr() != packed.data.data_ptr() and torch.equal(m.data, packed.data)
+        x = torch.randn(3, packed.in_features)
+        assert torch.equal(cpu_int8.linear(x, m), cpu_int8.linear(x, packed))

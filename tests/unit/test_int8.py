@@ -125,3 +125,22 @@ def test_a_q_first_member_quantizes_what_it_holds(side, tiny_checkpoint):
     assert freed.numel() == 0 and getattr(freed, "_splitstack_int8", None) is None
     x = torch.randn(2, held.shape[1])
     assert (project(x, held) - x @ held.T).abs().max().item() < 0.05 * (x @ held.T).abs().max()
+
+
+def test_quantize_moves_the_native_copies_into_one_buffer(tiny_checkpoint):
+    """Where the native kernel runs, a quantized model's decode weights share one buffer in
+    the order a step reads them (layer by layer, the head last); elsewhere they are torch's
+    copies, left where they are."""
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path).quantize("int8")
+    order = []
+    for layer in model.model.layers:
+        order += [layer.self_attn.qkv.weight, layer.self_attn.o_proj.weight,
+                  layer.mlp.gate_up.weight, layer.mlp.down_proj.weight]
+    order.append(model.lm_head_weight())
+    copies = [layers.int8_copy(w) for w in order]
+    if not layers._native_int8():
+        assert all(c.packed is None and c.q is not None for c in copies)
+        return
+    starts = [c.packed.data.data_ptr() for c in copies]
+    assert starts == sorted(starts) and starts[0] % cpu_int8.HUGE_PAGE == 0
