@@ -80,10 +80,11 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(y01, y23, 0xDD));
 }
 
-/* Scores of G query heads against up to 16 key rows kt[j][0..d) (fp32, zero past nk rows):
+/* Scores of G query heads against up to 16 key rows kt[j][0..d) (fp32):
  * s[gi * n + j0 + j] = scale * q_gi . k_j for j < nk. */
-static void score16(const float *qh, const float kt[16][MAX_D], int nk, int d, int g,
-                    float scale, float *s, int n, int j0) {
+static void score_tile(const float *qh, float kt[16][MAX_D], int nk, int d, int g,
+                       float scale, float *s, int n, int j0) {
+    for (int j = nk; j < 16; j++) memset(kt[j], 0, (size_t)d * sizeof(float));
     __mmask16 keys = nk >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << nk) - 1u);
     for (int gi = 0; gi < g; gi++) {
         const float *qg = qh + gi * d;
@@ -98,6 +99,18 @@ static void score16(const float *qh, const float kt[16][MAX_D], int nk, int d, i
         __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
         _mm512_mask_storeu_ps(s + gi * n + j0, keys, sc);
     }
+}
+#else
+static void score_tile(const float *qh, float kt[16][MAX_D], int nk, int d, int g,
+                       float scale, float *s, int n, int j0) {
+    for (int j = 0; j < nk; j++)
+        for (int gi = 0; gi < g; gi++) {
+            const float *qg = qh + gi * d;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int i = 0; i < d; i++) dot += qg[i] * kt[j][i];
+            s[gi * n + j0 + j] = dot * scale;
+        }
 }
 #endif
 
@@ -117,9 +130,8 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
         prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
         if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
     }
-#ifdef __AVX512F__
     float kt[16][MAX_D];
-    for (int j0 = 0; j0 < n; j0 += 16) {
+    for (int j0 = 0; j0 < n; j0 += 16) {        /* tiles of 16 keys: read, then scored */
         int nk = n - j0 < 16 ? n - j0 : 16;
         for (int j = j0; j < j0 + nk; j++) {
             int64_t row = table[at_b] * sb + at_o * so + head;
@@ -131,29 +143,8 @@ static void sweep(const float *q, const void *k_cache, const void *v_cache, int 
             prefetch_row(v_cache, row, is_bf16, d);      /* read by the value pass below */
             load_row(k_cache, row, is_bf16, d, kt[j - j0]);
         }
-        for (int j = nk; j < 16; j++) memset(kt[j], 0, (size_t)d * sizeof(float));
-        score16(qh, (const float (*)[MAX_D])kt, nk, d, g, scale, s, n, j0);
+        score_tile(qh, kt, nk, d, g, scale, s, n, j0);
     }
-#else
-    float kf[MAX_D];
-    for (int j = 0; j < n; j++) {
-        int64_t row = table[at_b] * sb + at_o * so + head;
-        if (++at_o == bs) { at_o = 0; at_b++; }
-        if (j + AHEAD < n) {
-            prefetch_row(k_cache, table[ahead_b] * sb + ahead_o * so + head, is_bf16, d);
-            if (++ahead_o == bs) { ahead_o = 0; ahead_b++; }
-        }
-        prefetch_row(v_cache, row, is_bf16, d);      /* read by the value pass below */
-        load_row(k_cache, row, is_bf16, d, kf);
-        for (int gi = 0; gi < g; gi++) {
-            const float *qg = qh + gi * d;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int i = 0; i < d; i++) dot += qg[i] * kf[i];
-            s[gi * n + j] = dot * scale;
-        }
-    }
-#endif
     for (int gi = 0; gi < g; gi++) {
         float *sg = s + gi * n, m = sg[0], l = 0.f;
         for (int j = 1; j < n; j++) m = sg[j] > m ? sg[j] : m;

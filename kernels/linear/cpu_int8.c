@@ -133,9 +133,7 @@ static void quantize_row(const void *x, int x_bf16, int64_t offset, int k, int g
 
 #define BLOCK 4           /* 16-row tiles per packed block: 64 outputs, 256 bytes per column quad */
 #define MT_MAX 3          /* rows per register pass */
-#ifndef PREFETCH
 #define PREFETCH 16       /* column quads ahead */
-#endif
 
 /* Output lanes [n0, n0 + 16) of row y_row from v (fp32), masked past n_out. */
 #ifdef __AVX512VNNI__
