@@ -48,22 +48,28 @@ def _cache_dir() -> Path:
     return path
 
 
-def build(source: Path, flags: tuple[str, ...] = FLAGS) -> Path:
-    """Compile `source` (once per source, flags and CPU); returns the library's path."""
+def build(source: Path, flags: tuple[str, ...] = FLAGS,
+          libs: tuple[str, ...] = ("-lm",)) -> Path:
+    """Compile `source` (once per source, flags, libraries and CPU; a `.cpp` source with the C++
+    compiler) and link it with `libs`; returns the library's path."""
     text = source.read_bytes()
     key = platform.machine() + " ".join(sorted(cpu_flags()))
-    digest = hashlib.sha256(text + " ".join(flags).encode() + key.encode()).hexdigest()
+    digest = hashlib.sha256(text + " ".join((*flags, *libs)).encode()
+                            + key.encode()).hexdigest()
     target = _cache_dir() / f"{source.stem}-{digest[:16]}.so"
     if target.exists():
         return target
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if source.suffix == ".cpp":
+        cc = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    else:
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+        raise RuntimeError(f"no compiler for {source.name} on PATH")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
+        subprocess.run([cc, *flags, str(source), "-o", tmp, *libs], check=True,
+                       capture_output=True, text=True, timeout=300)
         os.replace(tmp, target)        # atomic: concurrent builders (Ray actors) never clash
     except subprocess.CalledProcessError as err:
         raise RuntimeError(f"building {source.name} failed: {err.stderr.strip()}") from err

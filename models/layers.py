@@ -108,6 +108,18 @@ def int8_copy(weight: torch.Tensor) -> Int8Weight:
     return _cached(weight, INT8_ATTR, _int8_weight)
 
 
+def native_int8_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows `project` runs `weight` on its native int8 copy (0: never; the
+    copy is built here if it was not yet), for callers that call the kernel themselves
+    (`kernels.torch_ops` in compiled decode steps)."""
+    marked = getattr(weight, QUANT_ATTR, 0)
+    if not marked or not _native_int8():
+        return 0
+    if int8_copy(weight).packed is None:
+        return 0
+    return int(min(marked, cpu_int8.MAX_ROWS)) if marked > 0 else INT8_NATIVE_MAX_ROWS
+
+
 def consolidate_int8(weights: list[torch.Tensor]) -> None:
     """Move the native int8 copies of `weights` (already built; given in the order a decode
     step reads them) into one buffer on huge pages (`cpu_int8.consolidate`). Torch's copies,

@@ -44,6 +44,24 @@ def test_compiled_decode_steps_match_the_engine(family, tiny_checkpoint):
         assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_the_python_operators_give_the_native_operators_steps(tiny_checkpoint, monkeypatch):
+    """Where `kernels.torch_ops` cannot build, the graph calls the Python custom ops (the
+    same kernels through ctypes): the same logits as the native operators' graph."""
+    from kernels import torch_ops
+
+    path, _ = tiny_checkpoint("qwen3")
+    model = load_model(path)
+    native, _ = engines(model, buckets=(4,))
+    assert native.runner.compiled.native
+    monkeypatch.setattr(torch_ops, "available", lambda: False)
+    python, _ = engines(model, buckets=(4,))
+    assert not python.runner.compiled.native
+    for a, b in zip(native.generate(PROMPTS, GREEDY), python.generate(PROMPTS, GREEDY)):
+        assert a.output_ids == b.output_ids
+        assert (torch.stack(a.logits) - torch.stack(b.logits)).abs().max().item() <= 1e-5
+    assert python.runner.compiled.used == native.runner.compiled.used == {4}
+
+
 def test_bf16_compiled_decode_keeps_the_greedy_tokens(tiny_checkpoint):
     """In bf16 the graph fuses the pointwise ops (rounding where the eager step rounds
     between ops may differ): the logits stay within bf16 noise of the eager step's."""

@@ -105,7 +105,13 @@ def test_a_quantized_model_decodes_near_the_plain_one(compile_decode, tiny_check
         for e, c in zip(eager, engine.generate(prompts, GREEDY)):
             assert c.output_ids == e.output_ids
             assert (torch.stack(c.logits) - torch.stack(e.logits)).abs().max().item() <= 1e-4
-        assert engine.runner.compiled.used == {4}
+        graphs = engine.runner.compiled
+        assert graphs.used == {4}
+        # where the native kernel runs, the graph calls it directly (kernels.torch_ops) for
+        # every product: the layers' and the head's
+        assert graphs.native
+        assert all(rows == (layers.INT8_NATIVE_MAX_ROWS if layers._native_int8() else 0)
+                   for rows in graphs.int8_rows)
 
 
 @pytest.mark.parametrize("side", ["attention", "pool"])
