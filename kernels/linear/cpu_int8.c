@@ -23,6 +23,7 @@
  * Without AVX512-VNNI the same math runs in plain C.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __AVX512F__
@@ -264,20 +265,24 @@ int int8_linear(const void *x, int x_bf16, int64_t x_stride, int rows, int k, co
     int nblocks = (n_out + BLOCK * 16 - 1) / (BLOCK * 16);
     int64_t block_bytes = (int64_t)k4 * BLOCK * 64, xq_stride = (int64_t)k4 * 4;
     if (threads < 1) threads = 1;
-    /* work items: whole blocks, or half blocks where whole ones would split unevenly */
-    int nt = nblocks % threads == 0 ? BLOCK : BLOCK / 2;
-    int items = nblocks * (BLOCK / nt);
-    if (threads > items) threads = items;
+    /* Each thread takes one contiguous run of half blocks (whole blocks where both halves are
+     * its own), so its weights stream as one sequential run; only a block split between two
+     * threads is read by halves. */
+    int units = nblocks * 2;
+    if (threads > units) threads = units;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int m = 0; m < rows; m++)
             quantize_row(x, x_bf16, (int64_t)m * x_stride, k, group, xq + m * xq_stride,
                          xs + (int64_t)m * ng, corr + m);
-#pragma omp for schedule(static)
-        for (int item = 0; item < items; item++) {
-            int b = item / (BLOCK / nt), t0 = (item % (BLOCK / nt)) * nt;
+        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        int u = (int)((int64_t)units * tid / nth), u1 = (int)((int64_t)units * (tid + 1) / nth);
+        while (u < u1) {
+            int b = u / 2, whole = u % 2 == 0 && u + 1 < u1;
+            int nt = whole ? BLOCK : BLOCK / 2, t0 = whole ? 0 : (u % 2) * (BLOCK / 2);
             int n0 = b * BLOCK * 16 + t0 * 16;
+            u += whole ? 2 : 1;
             if (n0 >= n_out) continue;
             const uint8_t *w = wp + b * block_bytes + t0 * 64;
             for (int m0 = 0; m0 < rows; m0 += MT_MAX) {
