@@ -5,9 +5,11 @@
 //
 // The kernels themselves stay in their C files (kernels/linear/cpu_int8.c,
 // kernels/attention/cpu_paged.c), loaded by ctypes; `bind` hands this library their
-// addresses. What a step needs besides its tensors (the int8 weights, the block tables)
+// addresses; bf16 products call oneDNN's packed product through the dispatcher. What a
+// step needs besides its tensors (the weight table, the block tables)
 // is set per thread before the graph runs (`set_step`), as the Python ops read `_STEP`.
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -30,20 +32,22 @@ using PagedFn = int (*)(const float*, const void*, const void*, int, const int64
 Int8Fn int8_fn = nullptr;
 PagedFn paged_fn = nullptr;
 
-struct Int8Entry {
-  at::Tensor data;    // uint8 [blocks, ceil(K/4), 4, 16, 4] (cpu_int8.Packed.data)
-  at::Tensor scales;  // fp32 [blocks * 64]
+struct Entry {
+  at::Tensor data;    // int8 copy: uint8 [blocks, ceil(K/4), 4, 16, 4] (cpu_int8.Packed.data)
+  at::Tensor scales;  // and its fp32 [blocks * 64]
+  at::Tensor packed;  // bf16 weight in oneDNN's blocked layout (models.layers._packed_bf16)
+  std::optional<at::Tensor> bias;   // of the bf16 product
   int64_t in_features;
   int64_t out_features;
 };
 
 // Registered weight tables, by id (one per compiled engine); released with the engine.
 std::mutex tables_mutex;
-std::unordered_map<int64_t, std::shared_ptr<std::vector<Int8Entry>>> tables;
+std::unordered_map<int64_t, std::shared_ptr<std::vector<Entry>>> tables;
 int64_t next_table = 1;
 
 struct Step {
-  std::shared_ptr<std::vector<Int8Entry>> weights;
+  std::shared_ptr<std::vector<Entry>> weights;
   at::Tensor block_tables, lens, part_acc, part_ml;   // cpu_paged.Prepared
   int64_t rows = 0, chunk = 0, chunks = 0, threads = 1;
   std::vector<uint8_t> scratch;                       // the int8 product's activations
@@ -55,21 +59,31 @@ void bind(int64_t int8_addr, int64_t paged_addr) {
   paged_fn = reinterpret_cast<PagedFn>(static_cast<intptr_t>(paged_addr));
 }
 
-int64_t int8_table(at::TensorList data, at::TensorList scales, c10::IntArrayRef in_features,
-                   c10::IntArrayRef out_features) {
-  TORCH_CHECK(data.size() == scales.size() && data.size() == in_features.size() &&
-                  data.size() == out_features.size(),
-              "int8_table: data, scales and features differ in length");
-  auto entries = std::make_shared<std::vector<Int8Entry>>();
-  for (size_t i = 0; i < data.size(); i++) {
-    if (!data[i].defined() || data[i].numel() == 0) {   // a weight without a native copy
-      entries->push_back({at::Tensor(), at::Tensor(), 0, 0});
-      continue;
+// One entry per weight key: its native int8 copy (data, scales), its oneDNN-packed bf16 copy
+// (packed, bias), either, or neither (empty tensors).
+int64_t weight_table(at::TensorList data, at::TensorList scales, at::TensorList packed,
+                     const c10::List<std::optional<at::Tensor>>& bias,
+                     c10::IntArrayRef in_features, c10::IntArrayRef out_features) {
+  const size_t n = data.size();
+  TORCH_CHECK(scales.size() == n && packed.size() == n && bias.size() == n &&
+                  in_features.size() == n && out_features.size() == n,
+              "weight_table: the lists differ in length");
+  auto entries = std::make_shared<std::vector<Entry>>();
+  for (size_t i = 0; i < n; i++) {
+    Entry e{at::Tensor(), at::Tensor(), at::Tensor(), std::nullopt, in_features[i],
+            out_features[i]};
+    if (data[i].defined() && data[i].numel() > 0) {
+      TORCH_CHECK(data[i].scalar_type() == at::kByte && data[i].is_contiguous() &&
+                      scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous(),
+                  "weight_table: entry ", i, " is not a packed int8 weight");
+      e.data = data[i];
+      e.scales = scales[i];
     }
-    TORCH_CHECK(data[i].scalar_type() == at::kByte && data[i].is_contiguous() &&
-                    scales[i].scalar_type() == at::kFloat && scales[i].is_contiguous(),
-                "int8_table: entry ", i, " is not a packed int8 weight");
-    entries->push_back({data[i], scales[i], in_features[i], out_features[i]});
+    if (packed[i].defined() && packed[i].numel() > 0) {
+      e.packed = packed[i];
+      e.bias = bias.get(i);
+    }
+    entries->push_back(std::move(e));
   }
   std::lock_guard<std::mutex> lock(tables_mutex);
   int64_t id = next_table++;
@@ -92,7 +106,7 @@ void set_step(int64_t table, const at::Tensor& block_tables, const at::Tensor& l
   if (table > 0) {
     std::lock_guard<std::mutex> lock(tables_mutex);
     auto found = tables.find(table);
-    TORCH_CHECK(found != tables.end(), "set_step: no int8 table ", table);
+    TORCH_CHECK(found != tables.end(), "set_step: no weight table ", table);
     step.weights = found->second;
   } else {
     step.weights.reset();
@@ -112,12 +126,16 @@ void clear_step() {
   step.block_tables = step.lens = step.part_acc = step.part_ml = at::Tensor();
 }
 
+const Entry& entry(int64_t key, const char* op) {
+  TORCH_CHECK(step.weights && key >= 0 && key < static_cast<int64_t>(step.weights->size()),
+              op, ": no weight ", key, " in this step");
+  return (*step.weights)[key];
+}
+
 // x [M, K] (bf16 or fp32, contiguous K) @ the table's weight `key`ᵀ -> [M, out_features]
 at::Tensor int8_linear(const at::Tensor& x_in, int64_t key, int64_t out_features) {
   TORCH_CHECK(int8_fn != nullptr, "int8_linear: the native int8 kernel is not bound");
-  TORCH_CHECK(step.weights && key >= 0 && key < static_cast<int64_t>(step.weights->size()),
-              "int8_linear: no int8 weight ", key, " in this step");
-  const Int8Entry& w = (*step.weights)[key];
+  const Entry& w = entry(key, "int8_linear");
   TORCH_CHECK(w.data.defined(), "int8_linear: weight ", key, " has no native int8 copy");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == w.in_features &&
                   out_features == w.out_features &&
@@ -142,6 +160,24 @@ at::Tensor int8_linear(const at::Tensor& x_in, int64_t key, int64_t out_features
                    reinterpret_cast<float*>(base + xq_bytes + 4 * m * ng));
   TORCH_CHECK(rc == 0, "int8_linear refused rows=", m, " k=", k);
   return y;
+}
+
+// x [M, K] bf16 @ the table's bf16 weight `key`ᵀ (+ its bias), on oneDNN's packed copy:
+// what `models.layers.project` runs for a bf16 weight
+at::Tensor bf16_linear(const at::Tensor& x, int64_t key, int64_t out_features) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, c10::string_view,
+                                         c10::List<std::optional<at::Scalar>>,
+                                         std::optional<c10::string_view>)>();
+  const Entry& w = entry(key, "bf16_linear");
+  TORCH_CHECK(w.packed.defined(), "bf16_linear: weight ", key, " has no packed bf16 copy");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.in_features && out_features == w.out_features &&
+                  x.scalar_type() == at::kBFloat16,
+              "bf16_linear: x does not fit weight ", key);
+  return op.call(x.is_contiguous() ? x : x.contiguous(), w.packed, w.bias, "none",
+                 c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
 template <typename To, typename From>
@@ -235,14 +271,16 @@ at::Tensor paged_decode(const at::Tensor& q_in, const at::Tensor& k, const at::T
 
 TORCH_LIBRARY(splitstack_cpu, m) {
   m.def("bind(int int8_fn, int paged_fn) -> ()", &bind);
-  m.def("int8_table(Tensor[] data, Tensor[] scales, int[] in_features, int[] out_features)"
-        " -> int", &int8_table);
+  m.def("weight_table(Tensor[] data, Tensor[] scales, Tensor[] packed, Tensor?[] bias, "
+        "int[] in_features, int[] out_features) -> int", &weight_table);
   m.def("release_table(int table) -> ()", &release_table);
   m.def("set_step(int table, Tensor block_tables, Tensor lens, Tensor part_acc, "
         "Tensor part_ml, int rows, int chunk, int chunks, int threads) -> ()", &set_step);
   m.def("clear_step() -> ()", &clear_step);
   m.def("int8_linear(Tensor x, int key, int out_features) -> Tensor");
   m.impl("int8_linear", c10::DispatchKey::CPU, TORCH_FN(int8_linear));
+  m.def("bf16_linear(Tensor x, int key, int out_features) -> Tensor");
+  m.impl("bf16_linear", c10::DispatchKey::CPU, TORCH_FN(bf16_linear));
   m.def("paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) kv, int layer, Tensor slots, "
         "float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));

@@ -6,14 +6,17 @@ the graph and the kernel.
 cache key includes torch's version and paths) and loaded with `torch.ops.load_library`; the
 kernels themselves stay in their C files, loaded by ctypes, whose addresses it is given
 (`bind`). At batch 1 the Python custom ops these replace spent more time in their own bodies
-than in the kernels (`bench/decode_compile.py`).
+than in the kernels (`bench/decode_compile.py`). bf16 products go to oneDNN's packed product
+through the dispatcher, as `models.layers.project` does.
 
-- `int8_table(packs)`: register a list of `cpu_int8.Packed` (None for a weight without a
-  native copy) and get the table's id; `release_table(id)` forgets it.
+- `weight_table(entries)`: register a step's weights (`WeightEntry`: the native int8 copy,
+  the oneDNN-packed bf16 weight, or both) and get the table's id; `release_table(id)`
+  forgets it.
 - `set_step(table, prepared, rows)` / `clear_step()`: what the ops read besides their
-  tensors, for this thread: the int8 table and the step's `cpu_paged.Prepared`.
+  tensors, for this thread: the weight table and the step's `cpu_paged.Prepared`.
 - `torch.ops.splitstack_cpu.int8_linear(x [M, K], key, out_features)`: `cpu_int8.linear`
-  on the table's weight `key`.
+  on the table's weight `key`; `bf16_linear(x, key, out_features)`: oneDNN's product on its
+  packed bf16 copy, plus its bias (`models.layers.project`'s bf16 path).
 - `torch.ops.splitstack_cpu.paged_decode(q [B, H, D] fp32, k, v [B, KV, D], kv, layer,
   slots, scale)`: write the first `rows` rows' k, v into layer `layer` of the cache
   [2, layers, blocks, block_size, KV, D] at `slots`, then `cpu_paged.decode`'s O (fp32).
@@ -29,6 +32,7 @@ import os
 import subprocess
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -88,14 +92,26 @@ def _load() -> bool:
     return True
 
 
-def int8_table(packs: list[cpu_int8.Packed | None]) -> int:
-    """Register the int8 weights a step's `int8_linear` keys index; returns the table's id."""
+class WeightEntry(NamedTuple):
+    """One weight of a table: its native int8 copy and/or its bf16 weight in oneDNN's packed
+    layout (with the product's bias), either None where the step keeps the Python op."""
+    in_features: int
+    out_features: int
+    int8: cpu_int8.Packed | None = None
+    bf16: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+
+def weight_table(entries: list[WeightEntry]) -> int:
+    """Register the weights a step's `int8_linear` / `bf16_linear` keys index (key = index in
+    `entries`); returns the table's id."""
     empty = torch.empty(0, dtype=torch.uint8)
-    return torch.ops.splitstack_cpu.int8_table(
-        [p.data if p is not None else empty for p in packs],
-        [p.scales if p is not None else empty.float() for p in packs],
-        [p.in_features if p is not None else 0 for p in packs],
-        [p.out_features if p is not None else 0 for p in packs])
+    return torch.ops.splitstack_cpu.weight_table(
+        [e.int8.data if e.int8 is not None else empty for e in entries],
+        [e.int8.scales if e.int8 is not None else empty.float() for e in entries],
+        [e.bf16 if e.bf16 is not None else empty.bfloat16() for e in entries],
+        [e.bias if e.bf16 is not None else None for e in entries],
+        [e.in_features for e in entries], [e.out_features for e in entries])
 
 
 def release_table(table: int) -> None:
@@ -103,7 +119,7 @@ def release_table(table: int) -> None:
 
 
 def set_step(table: int, prepared: cpu_paged.Prepared, rows: int) -> None:
-    """Set, for this thread, the int8 table (0: none) and the step's prepared tables; the
+    """Set, for this thread, the weight table (0: none) and the step's prepared tables; the
     first `rows` rows are real (their k, v are written)."""
     p = prepared
     torch.ops.splitstack_cpu.set_step(table, p.tables, p.lens, p.part_acc, p.part_ml, rows,
@@ -117,6 +133,10 @@ def clear_step() -> None:
 def _register_fakes() -> None:
     """Shapes for tracing (the operators are defined once the library is loaded)."""
     @torch.library.register_fake("splitstack_cpu::int8_linear")
+    def _(x, key, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    @torch.library.register_fake("splitstack_cpu::bf16_linear")
     def _(x, key, out_features):
         return x.new_empty(x.shape[0], out_features)
 

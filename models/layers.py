@@ -120,6 +120,17 @@ def native_int8_rows(weight: torch.Tensor) -> int:
     return int(min(marked, cpu_int8.MAX_ROWS)) if marked > 0 else INT8_NATIVE_MAX_ROWS
 
 
+def onednn_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed copy `project` multiplies a bf16 `weight` by (built here if it was
+    not yet), or None where its bf16 products take another path (no oneDNN bf16 here, or
+    not a bf16 weight): for callers that call the product themselves
+    (`kernels.torch_ops`)."""
+    if not _ONEDNN_BF16 or weight.dtype != torch.bfloat16 or not weight.is_cpu \
+            or weight.numel() == 0:
+        return None
+    return _packed_bf16(weight)
+
+
 def consolidate_int8(weights: list[torch.Tensor]) -> None:
     """Move the native int8 copies of `weights` (already built; given in the order a decode
     step reads them) into one buffer on huge pages (`cpu_int8.consolidate`). Torch's copies,

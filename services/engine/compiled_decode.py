@@ -21,10 +21,11 @@ custom ops inside the graph:
 
 Where `kernels.torch_ops` builds (a C++ compiler and torch's headers), both run as C++
 operators instead (`splitstack_cpu::int8_linear` for the products of weights with a native
-int8 copy, `splitstack_cpu::paged_decode` for attention), with the weight table and the
-step's tables set per thread (`torch_ops.set_step`). At batch 1 the Python ops' own bodies
-(dispatch, checks, allocations, ctypes) had cost more than the kernels they called: about
-9 of a 17 ms int8 step. Products of bf16 weights keep `splitstack::linear`.
+int8 copy, `bf16_linear` for bf16 weights on oneDNN's packed copy, `paged_decode` for
+attention), with the weight table and the step's tables set per thread
+(`torch_ops.set_step`). At batch 1 the Python ops' own bodies (dispatch, checks,
+allocations, ctypes) had cost more than the kernels they called: about 9 of a 17 ms int8
+step. fp32 products keep `splitstack::linear` (MKL's strategies in `project`).
 
 A step of B rows runs at the smallest bucket >= B. Rows B.. are padding: row 0's token and
 position attending to one key of row 0's sequence. They write nothing into the cache and
@@ -49,7 +50,8 @@ import torch.nn.functional as F
 from kernels import torch_ops
 from kernels.attention import cpu_paged
 from kernels.cuda_graph import bucket_for
-from models.layers import MLP, int8_copy, native_int8_rows, project, still_fused
+from models.layers import (MLP, int8_copy, native_int8_rows, onednn_bf16, project,
+                           still_fused)
 from models.model import CausalLM
 from services.engine.scheduler import SchedulerOutput
 
@@ -139,15 +141,19 @@ class CompiledDecode:
         self.weights: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         with torch.no_grad():       # `still_fused` holds only while no gradient is recorded
             self._plan = self._layer_plan()
-        # the native operators (kernels.torch_ops), where they build: attention always, and
-        # the products of weights with a native int8 copy up to their row limit
+        # the native operators (kernels.torch_ops), where they build: attention always, the
+        # products of weights with a native int8 copy up to their row limit, those of bf16
+        # weights on oneDNN's packed copy otherwise
         self.native = torch_ops.available()
         self.int8_rows = [native_int8_rows(w) if self.native else 0 for w, _ in self.weights]
+        self.bf16 = [self.native and onednn_bf16(w) is not None for w, _ in self.weights]
         self._table = 0
-        if any(self.int8_rows):
-            self._table = torch_ops.int8_table([
-                int8_copy(w).packed if rows else None for (w, _), rows in zip(self.weights,
-                                                                      self.int8_rows)])
+        if self.native:
+            self._table = torch_ops.weight_table([
+                torch_ops.WeightEntry(w.shape[1], w.shape[0],
+                                      int8_copy(w).packed if rows else None,
+                                      onednn_bf16(w) if bf16 else None, b)
+                for (w, b), rows, bf16 in zip(self.weights, self.int8_rows, self.bf16)])
             weakref.finalize(self, torch_ops.release_table, self._table)
         limit = 4 * len(self.batch_buckets) + 8      # graphs per code object (per engine)
         dynamo = torch._dynamo.config
@@ -198,6 +204,8 @@ class CompiledDecode:
             y = torch.ops.splitstack_cpu.int8_linear(x, key, out_features)
             bias = self.weights[key][1]
             return y if bias is None else y + bias
+        if self.bf16[key] and x.dtype == torch.bfloat16:
+            return torch.ops.splitstack_cpu.bf16_linear(x, key, out_features)
         return torch.ops.splitstack.linear(x, key, out_features)
 
     def _products(self, x: torch.Tensor, keyed: list[tuple[int, int]]) -> torch.Tensor:

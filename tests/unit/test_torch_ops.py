@@ -1,7 +1,7 @@
 """The native kernels as torch operators (`kernels.torch_ops`): each operator gives exactly
-what its Python path gives (`cpu_int8.linear`; the cache write and `cpu_paged.decode`),
-writes only the real rows, refuses what it cannot take with a clear error, and forgets a
-released table."""
+what its Python path gives (`cpu_int8.linear`; `models.layers.project` on a bf16 weight; the
+cache write and `cpu_paged.decode`), writes only the real rows, refuses what it cannot take
+with a clear error, and forgets a released table."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,8 @@ import torch
 from kernels import torch_ops
 from kernels.attention import cpu_paged
 from kernels.linear import cpu_int8
+from models import layers
+from kernels.torch_ops import WeightEntry
 
 BS, KV, D, H = 16, 3, 64, 9
 
@@ -22,16 +24,26 @@ def built():
 
 @pytest.fixture
 def step():
-    """A registered table of two int8 weights and a third without a native copy, and a step
-    of three sequences over a scattered cache; cleared afterwards."""
+    """A registered table (two int8 weights, a weight with neither copy, two bf16 weights on
+    oneDNN's packed copy, one with a bias), and a step of three sequences over a scattered
+    cache; cleared afterwards."""
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(96, 576, generator=gen), torch.randn(200, 130, generator=gen)]
     packs = [cpu_int8.pack(*cpu_int8.quantize_rows(w)) for w in weights]
-    table = torch_ops.int8_table([*packs, None])
+    bf16 = [torch.randn(80, 64, generator=gen).bfloat16() for _ in range(2)]
+    bias = torch.randn(80, generator=gen).bfloat16()
+    packed = [layers.onednn_bf16(w) for w in bf16]
+    entries = [WeightEntry(576, 96, packs[0]), WeightEntry(130, 200, packs[1]),
+               WeightEntry(576, 96)]
+    if packed[0] is not None:                 # oneDNN takes bf16 products here
+        entries += [WeightEntry(64, 80, bf16=packed[0]),
+                    WeightEntry(64, 80, bf16=packed[1], bias=bias)]
+    table = torch_ops.weight_table(entries)
     tables = torch.randperm(40, generator=gen)[:18].reshape(3, 6)
     lens = torch.tensor([70, 3, 96])
     prepared = cpu_paged.prepare(tables, lens, BS, H, D, chunk=32)
-    yield dict(packs=packs, table=table, tables=tables, lens=lens, prepared=prepared, gen=gen)
+    yield dict(packs=packs, bf16=bf16, bias=bias, onednn=packed[0] is not None, table=table,
+               tables=tables, lens=lens, prepared=prepared, gen=gen)
     torch_ops.clear_step()
     torch_ops.release_table(table)
 
@@ -58,23 +70,39 @@ def test_int8_linear_takes_strided_rows(step):
 
 def test_int8_linear_refusals(step):
     x = torch.randn(2, 576)
-    with pytest.raises(RuntimeError, match="no int8 weight 0 in this step"):
+    with pytest.raises(RuntimeError, match="no weight 0 in this step"):
         torch.ops.splitstack_cpu.int8_linear(x, 0, 96)       # no step set
     torch_ops.set_step(step["table"], step["prepared"], 3)
     with pytest.raises(RuntimeError, match="weight 2 has no native int8 copy"):
         torch.ops.splitstack_cpu.int8_linear(x, 2, 96)
-    with pytest.raises(RuntimeError, match="no int8 weight 3"):
-        torch.ops.splitstack_cpu.int8_linear(x, 3, 96)
+    with pytest.raises(RuntimeError, match="no weight 9"):
+        torch.ops.splitstack_cpu.int8_linear(x, 9, 96)
     with pytest.raises(RuntimeError, match="does not fit weight 1"):
         torch.ops.splitstack_cpu.int8_linear(x, 1, 200)      # K 576 against 130
     with pytest.raises(RuntimeError, match="does not fit weight 0"):
         torch.ops.splitstack_cpu.int8_linear(x, 0, 95)       # out_features
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_bf16_linear_is_project(step, rows):
+    """oneDNN's packed product, with and without a bias, as `project` runs it."""
+    if not step["onednn"]:
+        pytest.skip("oneDNN has no bf16 products on this CPU")   # not on the CI machine
+    torch_ops.set_step(step["table"], step["prepared"], 3)
+    x = torch.randn(rows, 64, generator=step["gen"]).bfloat16()
+    for key, bias in ((3, None), (4, step["bias"])):
+        got = torch.ops.splitstack_cpu.bf16_linear(x, key, 80)
+        assert torch.equal(got, layers.project(x, step["bf16"][key - 3], bias))
+    with pytest.raises(RuntimeError, match="weight 0 has no packed bf16 copy"):
+        torch.ops.splitstack_cpu.bf16_linear(x, 0, 96)
+    with pytest.raises(RuntimeError, match="does not fit weight 3"):
+        torch.ops.splitstack_cpu.bf16_linear(x.float(), 3, 80)
+
+
 def test_a_released_table_is_gone(step):
-    table = torch_ops.int8_table(step["packs"])
+    table = torch_ops.weight_table([WeightEntry(576, 96, step["packs"][0])])
     torch_ops.release_table(table)
-    with pytest.raises(RuntimeError, match=f"no int8 table {table}"):
+    with pytest.raises(RuntimeError, match=f"no weight table {table}"):
         torch_ops.set_step(table, step["prepared"], 3)
 
 
