@@ -24,7 +24,7 @@ from evals.heldout import texts as heldout_texts
 from evals.heldout.families import FAMILIES, make_family_items
 from evals.metrics import (agreement, bootstrap_ci, key_token_mask, new_token_mask,
                            paired_difference, token_losses)
-from evals.tasks import TASKS, make_items
+from evals.tasks import ALL_TASKS, TASKS, make_items
 from services.prefill.lexicon import Lexicon
 
 MAX_ANSWER_TOKENS = 40      # generated per item (multi-value; the other tasks take 14)
@@ -46,9 +46,9 @@ class EvalConfig:
     loss_corpus: str = "auto"   # stdlib docstrings, the long held-out texts, or by length
 
     def __post_init__(self):
-        bad = set(self.tasks) - set(TASKS)
+        bad = set(self.tasks) - set(ALL_TASKS)
         if bad:
-            raise ValueError(f"unknown tasks {sorted(bad)}; choose from {TASKS}")
+            raise ValueError(f"unknown tasks {sorted(bad)}; choose from {ALL_TASKS}")
         bad = set(self.families) - set(FAMILIES)
         if bad:
             raise ValueError(f"unknown held-out families {sorted(bad)}; choose from "

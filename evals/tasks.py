@@ -9,14 +9,17 @@ An item is a haystack of `context_len` tokens with needle sentences inserted at 
 
 Each item records where its needles sit, so results split into filled-region and tail items.
 Tasks: `single` (one key, one number), `multikey` (several keys, one asked), `multivalue`
-(one key, several numbers, all asked), `word` (one key, one word value).
+(one key, several numbers, all asked), `word` (one key, one word value), `code` (one key, a
+serial code of letter and digit groups; not in the default set). Needles state the value
+twice; with `once`, other wordings state it once.
 """
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
 
-TASKS = ("single", "multikey", "multivalue", "word")
+TASKS = ("single", "multikey", "multivalue", "word")       # the default set
+ALL_TASKS = TASKS + ("code",)
 
 KEYS = ["harbor", "lantern", "meadow", "copper", "violet", "glacier", "orchard", "falcon",
         "saffron", "quartz", "willow", "ember", "canyon", "marble", "thistle", "cobalt"]
@@ -39,6 +42,15 @@ TEMPLATES = [
      "special magic {kind}s for {k}.",
      "What are all the special magic {kind}s for {k}?",
      "The special magic {kind}s for {k} are"),
+]
+# Needles that state the value once, in other wordings (`make_item(..., once=True)`).
+ONCE_TEMPLATES = [
+    ("The pass {kind} of the {k} project is {v}.",
+     "What is the pass {kind} of the {k} project?",
+     "The pass {kind} of the {k} project is"),
+    ("For the {k} account, the access {kind} is {v}.",
+     "What is the access {kind} for the {k} account?",
+     "The access {kind} for the {k} account is"),
 ]
 INSTRUCTION = ("Some special magic values are hidden inside the following text. "
                "Make sure to memorize them. I will quiz you about them afterwards.\n\n")
@@ -66,6 +78,13 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(1_000_000, 9_999_999))
 
 
+def _code(rng: random.Random) -> str:
+    """A serial code: 2 to 5 groups of 3 to 8 lower-case letters and digits, dash-joined."""
+    chars = "abcdefghijklmnopqrstuvwxyz0123456789"
+    return "-".join("".join(rng.choice(chars) for _ in range(rng.randint(3, 8)))
+                    for _ in range(rng.randint(2, 5)))
+
+
 def chat_wrappers(tokenizer) -> tuple[str, str, str]:
     """(before user text, between user text and answer, marker) from the chat template, or
     empty strings for a model without one. The answer prefix is put in the assistant turn."""
@@ -79,14 +98,16 @@ def chat_wrappers(tokenizer) -> tuple[str, str, str]:
 
 
 def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, depth: float,
-              rng: random.Random, template: int, chat: bool = False) -> Item:
+              rng: random.Random, template: int, chat: bool = False,
+              once: bool = False) -> Item:
     """Build one item; `filler_ids` is tokenized haystack text (long enough for the context).
     By default the item is a plain completion (as RULER prompts base models); with `chat`
     the text is the user turn of the model's chat template and the answer prefix starts the
-    assistant turn (SmolLM2-135M retrieves less reliably that way)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
-    kind = "word" if task == "word" else "number"
+    assistant turn (SmolLM2-135M retrieves less reliably that way). With `once`, the needle
+    states the value once (`ONCE_TEMPLATES`; not for `multivalue`)."""
+    if task not in ALL_TASKS:
+        raise ValueError(f"unknown task {task!r}; choose from {ALL_TASKS}")
+    kind = {"word": "word", "code": "code"}.get(task, "number")
     keys = rng.sample(KEYS, 4 if task == "multikey" else 1)
     key = keys[0]
     if task == "multivalue":
@@ -94,8 +115,9 @@ def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, dep
         values = [_number(rng) for _ in range(3)]
         needles = [needle_t.format(kind=kind, k=key, v=v) for v in values]
     else:
-        needle_t, question_t, prefix_t = TEMPLATES[template % 2]
-        make_value = (lambda: rng.choice(WORDS)) if kind == "word" else (lambda: _number(rng))
+        needle_t, question_t, prefix_t = (ONCE_TEMPLATES if once else TEMPLATES)[template % 2]
+        make_value = {"word": lambda: rng.choice(WORDS),
+                      "code": lambda: _code(rng)}.get(kind, lambda: _number(rng))
         values = [make_value()]
         needles = [needle_t.format(kind=kind, k=key, v=values[0])]
         needles += [needle_t.format(kind=kind, k=k, v=make_value()) for k in keys[1:]]

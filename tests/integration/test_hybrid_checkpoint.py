@@ -178,6 +178,29 @@ def test_repeated_passage_haystack_repeats_one_short_passage():
     assert ids.shape[1] <= 256 and 1 <= int(mask.sum()) <= 12
 
 
+def test_varied_needle_formats_add_codes_and_single_statements():
+    """`--needle-formats varied`: serial-code answers (longer than 8 tokens fit whole) and
+    needles stated once appear; the answer mask covers the appended answer exactly."""
+    import random
+
+    from services.common.tokenizer import load_tokenizer
+    from tools.zoo.derive import needle_batch
+
+    tok = load_tokenizer(PARENT)
+    filler = tok(TEXT * 40, add_special_tokens=False)["input_ids"]
+    rng, codes, once = random.Random(0), 0, 0
+    for _ in range(24):
+        ids, mask = needle_batch(tok, filler, 300, rng, formats="varied")
+        assert ids.shape[1] <= 300
+        value = tok.decode(ids[0][mask.nonzero()[:, 0] + 1]).strip().rstrip(".")
+        text = tok.decode(ids[0])
+        codes += "-" in value
+        once += text.count(value) == 2          # the needle once, the answer once
+    assert codes >= 3 and once >= 3
+    with pytest.raises(ValueError, match="formats"):
+        needle_batch(tok, filler, 300, rng, formats="fancy")
+
+
 @pytest.mark.slow
 def test_distillation_steps_run_and_train(tmp_path):
     """`derive hybrid` trains through the chunked delta rule: two logit steps continued

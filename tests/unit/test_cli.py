@@ -99,8 +99,10 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
         "old.safetensors", 1024, 2.0, 3e-4)
     seen.clear()
     assert main(["derive", "hybrid", "--fa-layers", "21,3,17,3", "--repeated-share", "0.3",
-                 "--threads", "1", "--out", str(tmp_path / "m")]) in (0, None)
+                 "--needle-formats", "varied", "--threads", "1",
+                 "--out", str(tmp_path / "m")]) in (0, None)
     assert seen["fa_layers"] == [3, 17, 21] and seen["repeated_share"] == 0.3
+    assert seen["needle_formats"] == "varied"
 
 
 def test_derive_rejects_a_malformed_layer_list(capsys):

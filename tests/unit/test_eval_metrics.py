@@ -98,6 +98,30 @@ def test_item_places_needle_at_depth_and_records_region():
     assert not late.in_filled_region(tail_len=100)
 
 
+def test_once_and_code_items_state_a_serial_code_once():
+    """`once` states the value in one sentence of the other wordings; `code` values are
+    dash-joined groups of letters and digits. Neither is in the default task set."""
+    from evals.tasks import ALL_TASKS, ONCE_TEMPLATES, TASKS
+
+    tok = ToyTokenizer()
+    filler = tok(" ".join(f"w{i}" for i in range(5000)))["input_ids"]
+    item = make_item("code", tok, filler, 400, 0.5, random.Random(4), 1, once=True)
+    inv = {v: k for k, v in tok.vocab.items()}
+    words = [inv[t] for t in item.prompt_ids]
+    value = item.answers[0]
+    groups = value.split("-")
+    assert 2 <= len(groups) <= 5 and all(3 <= len(g) <= 8 and g.isalnum() for g in groups)
+    assert sum(value in w for w in words) == 1      # stated once, not twice
+    needle = " ".join(words[item.needle_positions[0]:item.needle_positions[0] + 9])
+    key = words[item.needle_positions[0] + 2]
+    assert needle == ONCE_TEMPLATES[1][0].format(kind="code", k=key, v=value)
+    assert " ".join(words[-8:]) == ONCE_TEMPLATES[1][2].format(kind="code", k=key)
+    twice = make_item("code", tok, filler, 400, 0.5, random.Random(4), 1)
+    inv = {v: k for k, v in tok.vocab.items()}
+    assert sum(twice.answers[0] in inv[t] for t in twice.prompt_ids) == 2
+    assert "code" in ALL_TASKS and "code" not in TASKS
+
+
 def test_multivalue_item_scores_partial_answers():
     item = Item("multivalue", 10, 0.5, [0] * 10, ["111", "222", "333"], [1, 2, 3])
     assert item.score("values are 111 and 333") == 2 / 3

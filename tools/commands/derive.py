@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--repeated-share", type=float, default=None,
                      help="hybrid: share of retrieval items whose haystack is one "
                           "calibration passage repeated (default 0)")
+    der.add_argument("--needle-formats", choices=("classic", "varied"), default=None,
+                     help="hybrid: the retrieval items' formats (train family): classic "
+                          "(values stated twice; default) or varied (+ serial-code values, "
+                          "half stated once)")
     der.add_argument("--delta", help="hybrid: where the delta goes, or (apply-hybrid) the "
                                      "one to rebuild from (default: the zoo's, "
                                      "models/zoo/deltas/smollm2-hybrid.safetensors)")
@@ -91,7 +95,8 @@ def run(argv: list[str]) -> int:
             opts["fa_layers"] = args.fa_layers
         if args.delta:
             opts["delta_path"] = args.delta
-        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share"):
+        for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share",
+                    "needle_formats"):
             if getattr(args, key) is not None:
                 opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,

@@ -140,20 +140,31 @@ def repeated_passage(tok, filler: list[int], rng, length: int) -> list[int]:
     return passage * (length // len(passage) + 1)
 
 
-def needle_batch(tok, filler: list[int], seq_len: int, rng,
-                 repeated_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+NEEDLE_FORMATS = ("classic", "varied")
+
+
+def needle_batch(tok, filler: list[int], seq_len: int, rng, repeated_share: float = 0.0,
+                 formats: str = "classic") -> tuple[torch.Tensor, torch.Tensor]:
     """A retrieval item from calibration text with its answer appended, and a mask of the
     answer positions (where the parent's copying behaviour must be kept). With
     `repeated_share`, that share of the items hide the needle in one calibration passage
-    repeated (`repeated_passage`) instead of running text."""
+    repeated (`repeated_passage`) instead of running text.
+
+    `formats`: "classic" draws single, multikey and word items whose needles state the value
+    twice; "varied" adds `code` values (serial codes of 6-40 characters) and states the
+    value once in half the items, in the train family's other wordings."""
     from evals.tasks import make_item
 
-    task = rng.choice(["single", "multikey", "word"])
-    answer_len = 8
+    if formats not in NEEDLE_FORMATS:
+        raise ValueError(f"formats must be one of {NEEDLE_FORMATS}, got {formats!r}")
+    varied = formats == "varied"
+    task = rng.choice(["single", "multikey", "word"] + (["code"] if varied else []))
+    once = varied and rng.random() < 0.5
+    answer_len = 32 if varied else 8
     if repeated_share and rng.random() < repeated_share:
         filler = repeated_passage(tok, filler, rng, seq_len)
     item = make_item(task, tok, filler, seq_len - answer_len, rng.random(), rng,
-                     rng.randrange(2))
+                     rng.randrange(2), once=once)
     answer = tok(" " + item.answers[0] + ".", add_special_tokens=False)["input_ids"]
     ids = (item.prompt_ids + answer)[:seq_len]
     mask = torch.zeros(len(ids), dtype=torch.bool)

@@ -185,13 +185,14 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                   fa_phase: int = FA_PHASE, fa_layers: list[int] | None = None,
                   needle_frac: float = 0.0, needle_len: int | None = None,
                   answer_weight: float = 1.0, repeated_share: float = 0.0,
-                  init_delta: str | Path | None = None,
+                  needle_formats: str = "classic", init_delta: str | Path | None = None,
                   delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
 
     `init_delta`: continue from a stored delta instead (its layout; no calibration, no
     layer-wise stage): only the logit stage runs, e.g. with retrieval items
-    (`needle_frac`, `needle_len` tokens each, answer-token KL weighted by `answer_weight`).
+    (`needle_frac`, `needle_len` tokens each, answer-token KL weighted by `answer_weight`,
+    in the train family's `needle_formats`: `derive.needle_batch`).
     The recipe records the one it continued from."""
     import random
 
@@ -261,7 +262,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     for step in range(steps):
         b, answer = batch(layerwise_steps + step), None
         if rng.random() < needle_frac:
-            b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share)
+            b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share,
+                                     needle_formats)
         with torch.no_grad():
             teacher = torch.log_softmax(train_logits(parent, b), -1)
         student = torch.log_softmax(train_logits(child, b), -1)
@@ -287,7 +289,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
               "layerwise_steps": layerwise_steps, "steps": steps, "seq_len": seq_len,
               "rank": rank, "lr": lr, "kl_lr": kl_lr, "seed": seed, "needle_frac": needle_frac,
               "needle_len": needle_len or seq_len, "answer_weight": answer_weight,
-              "repeated_share": repeated_share,
+              "repeated_share": repeated_share, "needle_formats": needle_formats,
               "continued_from": parent_recipe,
               "answer_kl_last10": (sum(answer_kl[-10:]) / len(answer_kl[-10:])
                                    if answer_kl else None),
