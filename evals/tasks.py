@@ -85,6 +85,9 @@ def _code(rng: random.Random) -> str:
                     for _ in range(rng.randint(2, 5)))
 
 
+VALUES = {"number": _number, "word": lambda rng: rng.choice(WORDS), "code": _code}
+
+
 def chat_wrappers(tokenizer) -> tuple[str, str, str]:
     """(before user text, between user text and answer, marker) from the chat template, or
     empty strings for a model without one. The answer prefix is put in the assistant turn."""
@@ -107,7 +110,7 @@ def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, dep
     states the value once (`ONCE_TEMPLATES`; not for `multivalue`)."""
     if task not in ALL_TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {ALL_TASKS}")
-    kind = {"word": "word", "code": "code"}.get(task, "number")
+    kind = task if task in VALUES else "number"
     keys = rng.sample(KEYS, 4 if task == "multikey" else 1)
     key = keys[0]
     if task == "multivalue":
@@ -116,11 +119,9 @@ def make_item(task: str, tokenizer, filler_ids: list[int], context_len: int, dep
         needles = [needle_t.format(kind=kind, k=key, v=v) for v in values]
     else:
         needle_t, question_t, prefix_t = (ONCE_TEMPLATES if once else TEMPLATES)[template % 2]
-        make_value = {"word": lambda: rng.choice(WORDS),
-                      "code": lambda: _code(rng)}.get(kind, lambda: _number(rng))
-        values = [make_value()]
+        values = [VALUES[kind](rng)]
         needles = [needle_t.format(kind=kind, k=key, v=values[0])]
-        needles += [needle_t.format(kind=kind, k=k, v=make_value()) for k in keys[1:]]
+        needles += [needle_t.format(kind=kind, k=k, v=VALUES[kind](rng)) for k in keys[1:]]
     encode = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     before, after, _ = chat_wrappers(tokenizer) if chat else ("", "", "")
     head = encode(before + INSTRUCTION)
