@@ -67,6 +67,8 @@ class EvalConfig:
 class ArmResult:
     # metric name -> task (or "docs") -> per-item values, paired across arms by position
     values: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # what the arm answered, one record per retrieval item (the JSON output's `completions`)
+    completions: list[dict] = field(default_factory=list)
 
     def add(self, metric: str, group: str, value: float) -> None:
         self.values.setdefault(metric, {}).setdefault(group, []).append(value)
@@ -125,10 +127,15 @@ def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: A
                       else MAX_ANSWER_TOKENS if task == "multivalue" else 14)
         outs = arm.complete([it.prompt_ids for it in items], max_tokens)
         for it, out in zip(items, outs):
-            score = it.score(tokenizer.decode(out, skip_special_tokens=True))
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            score = it.score(text)
             region = "filled" if it.in_filled_region(cfg.tail_len) else "tail"
             result.add(f"retrieval_{region}", f"{task}@{length}", score)
             result.add("retrieval", f"{task}@{length}", score)
+            result.completions.append({"task": task, "length": length,
+                                       "depth": round(it.depth, 4), "region": region,
+                                       "answers": it.answers, "completion": text,
+                                       "score": score})
 
 
 def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
@@ -192,6 +199,8 @@ def summarize(results: dict[str, ArmResult], cfg: EvalConfig, model_dir, timings
     summary[MATCHED], summary[SAME_ARM] = {}, {}
     for name, res in results.items():
         arm_sum = summary["arms"][name] = {}
+        if res.completions:
+            summary.setdefault("completions", {})[name] = res.completions
         for metric, groups in res.values.items():
             for group, vals in groups.items():
                 mean, lo, hi = bootstrap_ci({group: vals}, cfg.resamples, cfg.seed)

@@ -38,6 +38,12 @@ def test_heldout_families_in_the_eval_cli(tmp_path):
     for family in FAMILIES:
         s = exact["retrieval"][f"{family}@512"]
         assert s["n"] == 1 and s["mean"] in (0.0, 1.0)
+    # what the model answered is kept, item by item, and agrees with the scores
+    done = summary["completions"]["exact"]
+    assert sorted(c["task"] for c in done) == sorted(FAMILIES)
+    for c in done:
+        assert c["length"] == 512 and c["score"] == exact["retrieval"][f"{c['task']}@512"]["mean"]
+        assert c["score"] == float(all(a in c["completion"] for a in c["answers"]))
     # SmolLM2-135M finds the classic pass key (12/12 at 2K in issue 32's own test)
     assert exact["retrieval"]["passkey@512"]["mean"] == 1.0
     assert "| `exact` | passkey (held-out) | 100% [100, 100] (1) |" in proc.stdout
