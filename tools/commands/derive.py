@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--answer-weight", type=float,
                      help="hybrid: weight of the answer-token KL on retrieval items (default 1)")
     der.add_argument("--kl-lr", type=float, help="hybrid: learning rate of the logit stage")
+    der.add_argument("--gradient-checkpointing", action="store_true", default=None,
+                     help="hybrid: recompute each layer and the logits in chunks in the "
+                          "backward pass instead of keeping them (the logit stage on 4K-token "
+                          "items then fits in a few GB, at about one more forward per step)")
     der.add_argument("--items", type=bounded(1), default=16,
                      help="retrieval-heads: train-family items to score")
     der.add_argument("--num-fa", type=bounded(1), default=8,
@@ -96,7 +100,7 @@ def run(argv: list[str]) -> int:
         if args.delta:
             opts["delta_path"] = args.delta
         for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share",
-                    "needle_formats"):
+                    "needle_formats", "gradient_checkpointing"):
             if getattr(args, key) is not None:
                 opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -174,6 +175,35 @@ def heldout_windows(tok, n: int = 4, seq_len: int = 512) -> list[torch.Tensor]:
     return out
 
 
+KL_CHUNK = 512      # positions per logit chunk under gradient checkpointing
+
+
+def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
+              checkpoint: bool = False) -> torch.Tensor:
+    """Per-position KL(parent || child) of the next-token distributions, [T], differentiable
+    in the child. With `checkpoint`, the child's layers are checkpointed and the logits
+    (T × vocabulary, the largest activation at long sequences) are formed and freed one
+    chunk of `KL_CHUNK` positions at a time, in the backward pass too: the same values."""
+    if not checkpoint:
+        with torch.no_grad():
+            teacher = torch.log_softmax(train_logits(parent, ids), -1)
+        student = torch.log_softmax(train_logits(child, ids), -1)
+        return (teacher.exp() * (teacher - student)).sum(-1)[0]
+    with torch.no_grad():
+        hidden_t = train_logits(parent, ids, final=False)[0]
+    hidden_s = train_logits(child, ids, checkpoint=True, final=False)[0]
+
+    def chunk_kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            teacher = torch.log_softmax(parent.final(ht), -1)
+        return (teacher.exp() * (teacher - torch.log_softmax(child.final(hs), -1))).sum(-1)
+
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_kl, hidden_s[i:i + KL_CHUNK],
+                                                        hidden_t[i:i + KL_CHUNK],
+                                                        use_reentrant=False)
+                      for i in range(0, hidden_s.shape[0], KL_CHUNK)])
+
+
 def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
     for group in opt.param_groups:
         group["lr"] = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps))
@@ -186,6 +216,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                   needle_frac: float = 0.0, needle_len: int | None = None,
                   answer_weight: float = 1.0, repeated_share: float = 0.0,
                   needle_formats: str = "classic", init_delta: str | Path | None = None,
+                  gradient_checkpointing: bool = False,
                   delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
 
@@ -193,7 +224,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     layer-wise stage): only the logit stage runs, e.g. with retrieval items
     (`needle_frac`, `needle_len` tokens each, answer-token KL weighted by `answer_weight`,
     in the train family's `needle_formats`: `derive.needle_batch`).
-    The recipe records the one it continued from."""
+    The recipe records the one it continued from. `gradient_checkpointing` makes the logit
+    stage's memory fit long items (`distil_kl`) at about one more forward pass per step."""
     import random
 
     from evals.corpus import documents, haystack_text
@@ -264,10 +296,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
         if rng.random() < needle_frac:
             b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share,
                                      needle_formats)
-        with torch.no_grad():
-            teacher = torch.log_softmax(train_logits(parent, b), -1)
-        student = torch.log_softmax(train_logits(child, b), -1)
-        kl = (teacher.exp() * (teacher - student)).sum(-1)[0]                   # [T]
+        kl = distil_kl(parent, child, b, gradient_checkpointing)                # [T]
         loss = kl.mean()
         if answer is not None:
             loss = loss + answer_weight * kl[answer].mean()
@@ -290,6 +319,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
               "rank": rank, "lr": lr, "kl_lr": kl_lr, "seed": seed, "needle_frac": needle_frac,
               "needle_len": needle_len or seq_len, "answer_weight": answer_weight,
               "repeated_share": repeated_share, "needle_formats": needle_formats,
+              "gradient_checkpointing": gradient_checkpointing,
               "continued_from": parent_recipe,
               "answer_kl_last10": (sum(answer_kl[-10:]) / len(answer_kl[-10:])
                                    if answer_kl else None),

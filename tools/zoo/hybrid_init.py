@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from models.model import CausalLM
@@ -133,18 +134,29 @@ def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
     return layer.linear_attn.output(o, inp.z)
 
 
-def train_logits(model: CausalLM, ids: torch.Tensor, trace: list | None = None):
+def train_logits(model: CausalLM, ids: torch.Tensor, trace: list | None = None,
+                 checkpoint: bool = False, final: bool = True):
     """Differentiable forward under the model's wiring; `trace` collects (layer input, mixer
-    output) per layer."""
+    output) per layer. `checkpoint` keeps only each layer's inputs for the backward pass
+    and recomputes the rest (gradient checkpointing: the same values, far less memory at
+    long sequences); `final=False` returns the last hidden state instead of the logits."""
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     x, h = model.embed(ids), None
-    for l in range(model.config.num_hidden_layers):
+
+    def layer(l, x, h):
         m = mixer(model, l, x, pos, u=h)
+        h = x + m
+        return model.mlp(l, h), h, m
+
+    for l in range(model.config.num_hidden_layers):
+        if checkpoint and torch.is_grad_enabled():
+            x_new, h, m = torch.utils.checkpoint.checkpoint(layer, l, x, h, use_reentrant=False)
+        else:
+            x_new, h, m = layer(l, x, h)
         if trace is not None:
             trace.append((x, m))
-        h = x + m
-        x = model.mlp(l, h)
-    return model.final(x)
+        x = x_new
+    return model.final(x) if final else x
 
 
 def _silu_inverse(y: torch.Tensor) -> torch.Tensor:
