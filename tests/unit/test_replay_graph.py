@@ -72,7 +72,9 @@ def test_front_padded_replay_gives_the_unpadded_states(hybrid, family, ffn_skip)
         tail, tail_hidden = ids[-k:], hidden[:, -k:]
         ref = tail_replay(model, tail, tail_hidden, ffn_skip)
         got = graphed(tail, tail_hidden)
-        assert torch.allclose(got.conv, ref.conv, atol=1e-6)
+        # the padded projections run at another shape, so fp32 rounding may differ (seen:
+        # 1.8e-6 on a conv state of magnitude 4); a padding row leaking in moves it by O(1)
+        assert torch.allclose(got.conv, ref.conv, atol=1e-5)
         assert torch.allclose(got.recurrent, ref.recurrent, atol=1e-5, rtol=1e-4)
     long = graphed(ids, hidden)                     # past the largest bucket: eager
     assert torch.equal(long.recurrent, tail_replay(model, ids, hidden, ffn_skip).recurrent)
