@@ -9,6 +9,7 @@ import torch
 from models import load_model
 from models.random_checkpoint import save_random_checkpoint
 from tools.zoo import derive_hybrid
+from tools.zoo.hybrid_init import train_logits
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,11 @@ def test_checkpointed_chunked_kl_equals_the_plain_one(pair, monkeypatch):
     kl_c, grads_c = _kl_and_grads(parent, child, ids, checkpoint=True)
     assert kl.shape == kl_c.shape == (20,)
     assert kl.min().item() > 0                            # two different models
+    with torch.no_grad():                                 # KL(parent || child) from the logits
+        teacher = torch.log_softmax(train_logits(parent, ids), -1)[0]
+        student = torch.log_softmax(train_logits(child, ids), -1)[0]
+    torch.testing.assert_close(kl, (teacher.exp() * (teacher - student)).sum(-1),
+                               rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kl_c, kl, rtol=1e-5, atol=1e-6)
     assert sum(g.abs().sum().item() for g in grads) > 0
     for g, g_c in zip(grads, grads_c):      # the chunks sum in another order: float noise

@@ -184,21 +184,18 @@ def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
     in the child. With `checkpoint`, the child's layers are checkpointed and the logits
     (T × vocabulary, the largest activation at long sequences) are formed and freed one
     chunk of `KL_CHUNK` positions at a time, in the backward pass too: the same values."""
-    if not checkpoint:
-        with torch.no_grad():
-            teacher = torch.log_softmax(train_logits(parent, ids), -1)
-        student = torch.log_softmax(train_logits(child, ids), -1)
-        return (teacher.exp() * (teacher - student)).sum(-1)[0]
     with torch.no_grad():
         hidden_t = train_logits(parent, ids, final=False)[0]
-    hidden_s = train_logits(child, ids, checkpoint=True, final=False)[0]
+    hidden_s = train_logits(child, ids, checkpoint=checkpoint, final=False)[0]
 
-    def chunk_kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
+    def kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             teacher = torch.log_softmax(parent.final(ht), -1)
         return (teacher.exp() * (teacher - torch.log_softmax(child.final(hs), -1))).sum(-1)
 
-    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_kl, hidden_s[i:i + KL_CHUNK],
+    if not checkpoint:
+        return kl(hidden_s, hidden_t)
+    return torch.cat([torch.utils.checkpoint.checkpoint(kl, hidden_s[i:i + KL_CHUNK],
                                                         hidden_t[i:i + KL_CHUNK],
                                                         use_reentrant=False)
                       for i in range(0, hidden_s.shape[0], KL_CHUNK)])
