@@ -198,7 +198,26 @@ class Cluster:
             if pods:
                 lines.append(f"{pods[0].ip} {name} {name}.default.svc "
                              f"{name}.default.svc.cluster.local")
-        self.hosts.write_text("\n".join(lines) + "\n")
+        self.rewrite_in_place(self.hosts, "\n".join(lines) + "\n")
+
+    @staticmethod
+    def rewrite_in_place(path: Path, text: str) -> None:
+        """New contents for a file that is bind-mounted (so it cannot be renamed over), with no
+        moment at which a reader finds it empty or short: one write at offset 0, no O_TRUNC,
+        and a comment pads it to at least its old length. A truncate-then-write leaves a window
+        in which the C library finds no Service names and falls back to DNS, which this network
+        namespace cannot reach ("Temporary failure in name resolution"); on a loaded machine
+        the writing thread can be descheduled inside that window long enough for the clients
+        to fail thousands of requests."""
+        data = text.encode()
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            old = os.fstat(fd).st_size
+            if len(data) < old:
+                data += b"#" + b" " * (old - len(data) - 2) + b"\n"
+            assert os.pwrite(fd, data, 0) == len(data)
+        finally:
+            os.close(fd)
 
     # ---- pods ------------------------------------------------------------------------------
     def start_pod(self, name: str, template: dict, owner: str) -> Pod:
@@ -294,11 +313,11 @@ class Cluster:
         cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--pid", "--fork",
                "--kill-child", "--mount-proc", "--propagation", "private",
                "/bin/sh", "-c", "\n".join(script), container["name"], *argv]
-        log = open(pod.log, "a")
-        log.write(f"---- {container['name']}: {shlex.join(argv)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+        with open(pod.log, "a") as log:         # the child keeps its own descriptor
+            log.write(f"---- {container['name']}: {shlex.join(argv)}\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
         return Container(container["name"], proc, container)
 
     def run_pod(self, pod: Pod) -> None:
