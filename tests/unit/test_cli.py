@@ -90,8 +90,8 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
                  str(tmp_path / "m"), "--steps", "3"]) in (0, None)
     assert seen["fa_phase"] == 2 and seen["needle_frac"] == 0.5 and seen["steps"] == 3
     assert seen["delta_path"] == str(tmp_path / "d.safetensors")
-    assert not {"init_delta", "needle_len", "answer_weight", "kl_lr",
-                "gradient_checkpointing"} & set(seen)                                # defaults
+    assert not {"init_delta", "needle_len", "answer_weight", "kl_lr", "gradient_checkpointing",
+                "attn_weight", "attn_layers"} & set(seen)                           # defaults
     seen.clear()
     assert main(["derive", "hybrid", "--init-delta", "old.safetensors", "--needle-len", "1024",
                  "--answer-weight", "2", "--kl-lr", "3e-4", "--threads", "1",
@@ -104,6 +104,10 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
                  "--out", str(tmp_path / "m")]) in (0, None)
     assert seen["fa_layers"] == [3, 17, 21] and seen["repeated_share"] == 0.3
     assert seen["needle_formats"] == "varied" and seen["gradient_checkpointing"] is True
+    seen.clear()
+    assert main(["derive", "hybrid", "--attn-weight", "0.5", "--attn-layers", "23,17",
+                 "--threads", "1", "--out", str(tmp_path / "m")]) in (0, None)
+    assert seen["attn_weight"] == 0.5 and seen["attn_layers"] == [17, 23]
 
 
 def test_derive_rejects_a_malformed_layer_list(capsys):

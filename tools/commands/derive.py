@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="hybrid: recompute each layer and the logits in chunks in the "
                           "backward pass instead of keeping them (the logit stage on 4K-token "
                           "items then fits in a few GB, at about one more forward per step)")
+    der.add_argument("--attn-weight", type=float, default=None,
+                     help="hybrid: weight of attention transfer in the logit stage, the KL "
+                          "from the parent's attention distributions to the child's in the "
+                          "layers that keep attention (default 0: off)")
+    der.add_argument("--attn-layers", type=_layer_list, default=None,
+                     help="hybrid: the layers attention transfer covers (default: every "
+                          "layer that keeps attention)")
     der.add_argument("--items", type=bounded(1), default=16,
                      help="retrieval-heads: train-family items to score")
     der.add_argument("--num-fa", type=bounded(1), default=8,
@@ -100,7 +107,7 @@ def run(argv: list[str]) -> int:
         if args.delta:
             opts["delta_path"] = args.delta
         for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share",
-                    "needle_formats", "gradient_checkpointing"):
+                    "needle_formats", "gradient_checkpointing", "attn_weight", "attn_layers"):
             if getattr(args, key) is not None:
                 opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,

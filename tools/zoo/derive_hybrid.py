@@ -179,14 +179,31 @@ KL_CHUNK = 512      # positions per logit chunk under gradient checkpointing
 
 
 def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
-              checkpoint: bool = False) -> torch.Tensor:
-    """Per-position KL(parent || child) of the next-token distributions, [T], differentiable
-    in the child. With `checkpoint`, the child's layers are checkpointed and the logits
-    (T × vocabulary, the largest activation at long sequences) are formed and freed one
-    chunk of `KL_CHUNK` positions at a time, in the backward pass too: the same values."""
+              checkpoint: bool = False,
+              attn_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-position KL(parent || child) of the next-token distributions [T], attention
+    transfer [len(attn_layers)]), both differentiable in the child.
+
+    With `checkpoint`, the child's layers are checkpointed and the logits (T × vocabulary,
+    the largest activation at long sequences) are formed and freed one chunk of `KL_CHUNK`
+    positions at a time, in the backward pass too: the same values.
+
+    Attention transfer: for each layer in `attn_layers` (full attention in the child), the
+    KL from the parent's attention distribution to the child's, per head and query
+    position, averaged. It asks the attention the child kept to look where the parent's
+    looks, on the child's own residual stream, whatever the text: the copying heads'
+    mechanism rather than any task's answers."""
+    maps_t = dict.fromkeys(attn_layers)
+    maps_s = dict.fromkeys(attn_layers)
     with torch.no_grad():
-        hidden_t = train_logits(parent, ids, final=False)[0]
-    hidden_s = train_logits(child, ids, checkpoint=checkpoint, final=False)[0]
+        hidden_t = train_logits(parent, ids, final=False, attn=maps_t)[0]
+    hidden_s = train_logits(child, ids, checkpoint=checkpoint, final=False, attn=maps_s)[0]
+    missing = [l for l in attn_layers if maps_s[l] is None]
+    if missing:
+        raise ValueError(f"attention transfer: layers {missing} are not full attention "
+                         "in the child")
+    transfer = torch.stack([(maps_t[l].exp() * (maps_t[l] - maps_s[l])).sum(-1).mean()
+                            for l in attn_layers]) if attn_layers else torch.zeros(0)
 
     def kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -194,11 +211,11 @@ def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
         return (teacher.exp() * (teacher - torch.log_softmax(child.final(hs), -1))).sum(-1)
 
     if not checkpoint:
-        return kl(hidden_s, hidden_t)
+        return kl(hidden_s, hidden_t), transfer
     return torch.cat([torch.utils.checkpoint.checkpoint(kl, hidden_s[i:i + KL_CHUNK],
                                                         hidden_t[i:i + KL_CHUNK],
                                                         use_reentrant=False)
-                      for i in range(0, hidden_s.shape[0], KL_CHUNK)])
+                      for i in range(0, hidden_s.shape[0], KL_CHUNK)]), transfer
 
 
 def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
@@ -213,7 +230,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                   needle_frac: float = 0.0, needle_len: int | None = None,
                   answer_weight: float = 1.0, repeated_share: float = 0.0,
                   needle_formats: str = "classic", init_delta: str | Path | None = None,
-                  gradient_checkpointing: bool = False,
+                  gradient_checkpointing: bool = False, attn_weight: float = 0.0,
+                  attn_layers: list[int] | None = None,
                   delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
 
@@ -222,7 +240,9 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     (`needle_frac`, `needle_len` tokens each, answer-token KL weighted by `answer_weight`,
     in the train family's `needle_formats`: `derive.needle_batch`).
     The recipe records the one it continued from. `gradient_checkpointing` makes the logit
-    stage's memory fit long items (`distil_kl`) at about one more forward pass per step."""
+    stage's memory fit long items (`distil_kl`) at about one more forward pass per step.
+    `attn_weight` > 0 adds attention transfer (`distil_kl`) on `attn_layers` (default:
+    every full-attention layer of the child) to each logit-stage step."""
     import random
 
     from evals.corpus import documents, haystack_text
@@ -256,6 +276,17 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
         base.update(plain)
         rank = next(iter(lora.values()))[0].shape[0]
     child = build_child(cfg_dict, base)
+    if attn_weight > 0:
+        fa = [l for l, layer in enumerate(child.model.layers) if layer.kind == FULL_ATTENTION]
+        attn_layers = sorted(set(attn_layers)) if attn_layers else fa
+        if not set(attn_layers) <= set(fa):
+            raise ValueError(f"attention transfer on layers {attn_layers}: the child's full-"
+                             f"attention layers are {fa}")
+        if gradient_checkpointing:
+            raise ValueError("attention transfer keeps T×T maps per layer: use it without "
+                             "gradient checkpointing")
+    else:
+        attn_layers = []
     params = attach_trainables(child, rank, seed)
     with torch.no_grad():
         for name, module in child.named_modules():
@@ -287,14 +318,18 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
     rng = random.Random(seed)
     filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
-    kls, answer_kl = [], []
+    kls, answer_kl, attn_kl = [], [], []
     for step in range(steps):
         b, answer = batch(layerwise_steps + step), None
         if rng.random() < needle_frac:
             b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share,
                                      needle_formats)
-        kl = distil_kl(parent, child, b, gradient_checkpointing)                # [T]
+        kl, transfer = distil_kl(parent, child, b, gradient_checkpointing,
+                                 tuple(attn_layers))                             # [T], [A]
         loss = kl.mean()
+        if attn_layers:
+            loss = loss + attn_weight * transfer.mean()
+            attn_kl.append(transfer.mean().item())
         if answer is not None:
             loss = loss + answer_weight * kl[answer].mean()
             answer_kl.append(kl[answer].mean().item())
@@ -307,6 +342,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
             recent = answer_kl[-5:]
             log(f"[hybrid] KL {step}: {loss.item():.4f}"
                 + (f", answer KL (last 5 items) {sum(recent) / len(recent):.3f}" if recent else "")
+                + (f", attention KL {attn_kl[-1]:.3f}" if attn_kl else "")
                 + f" ({time.perf_counter() - start:.0f}s)")
     seconds = round(time.perf_counter() - start)
     recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
@@ -317,6 +353,10 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
               "needle_len": needle_len or seq_len, "answer_weight": answer_weight,
               "repeated_share": repeated_share, "needle_formats": needle_formats,
               "gradient_checkpointing": gradient_checkpointing,
+              "attn_weight": attn_weight, "attn_layers": attn_layers,
+              "attn_kl_first": attn_kl[0] if attn_kl else None,
+              "attn_kl_last10": (sum(attn_kl[-10:]) / len(attn_kl[-10:])
+                                 if attn_kl else None),
               "continued_from": parent_recipe,
               "answer_kl_last10": (sum(answer_kl[-10:]) / len(answer_kl[-10:])
                                    if answer_kl else None),

@@ -118,13 +118,31 @@ def base_state(parent: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
     return out
 
 
+MASKED = -1e9      # a causal mask that keeps log-probabilities finite (KL terms stay 0·finite)
+
+
+def attention_logprobs(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Causal attention log-probabilities [H, T, T] of one sequence: q [1, T, H, D] and
+    k [1, T, KV, D] as `attn_inputs` gives them (normed, rotated), grouped-query heads
+    expanded, scaled by D^-1/2 as the attention kernel does."""
+    _, t, h, d = q.shape
+    kh = k[0].transpose(0, 1).repeat_interleave(h // k.shape[2], 0)           # [H, T, D]
+    scores = q[0].transpose(0, 1) @ kh.transpose(1, 2) * d ** -0.5
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    return torch.log_softmax(scores.masked_fill(future, MASKED), -1)
+
+
 def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
-          u: torch.Tensor | None = None) -> torch.Tensor:
+          u: torch.Tensor | None = None, attn: dict | None = None) -> torch.Tensor:
     """Differentiable token-mixer output of layer l (before the residual add); u is the
-    previous feed-forward's input, which the query reads under q-first wiring."""
+    previous feed-forward's input, which the query reads under q-first wiring. Where
+    `attn` has the key l and the layer is full attention, attn[l] becomes its attention
+    log-probabilities (`attention_logprobs`)."""
     layer = model.layer(l)
     if layer.kind == FULL_ATTENTION:
         a = model.attn_inputs(l, x, pos, u=u)
+        if attn is not None and l in attn:
+            attn[l] = attention_logprobs(a.q, a.k)
         o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
                                            a.v.transpose(1, 2), is_causal=True,
                                            enable_gqa=True).transpose(1, 2)
@@ -135,16 +153,21 @@ def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
 
 
 def train_logits(model: CausalLM, ids: torch.Tensor, trace: list | None = None,
-                 checkpoint: bool = False, final: bool = True):
+                 checkpoint: bool = False, final: bool = True, attn: dict | None = None):
     """Differentiable forward under the model's wiring; `trace` collects (layer input, mixer
-    output) per layer. `checkpoint` keeps only each layer's inputs for the backward pass
-    and recomputes the rest (gradient checkpointing: the same values, far less memory at
-    long sequences); `final=False` returns the last hidden state instead of the logits."""
+    output) per layer; `attn` ({layer: None, ...}, one sequence) gets those attention
+    layers' log-probabilities (`mixer`). `checkpoint` keeps only each layer's inputs for
+    the backward pass and recomputes the rest (gradient checkpointing: the same values, far
+    less memory at long sequences; not with `attn`, whose maps it would keep anyway);
+    `final=False` returns the last hidden state instead of the logits."""
+    if checkpoint and attn:
+        raise ValueError("attention maps are kept whole; gradient checkpointing would not "
+                         "save their memory")
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     x, h = model.embed(ids), None
 
     def layer(l, x, h):
-        m = mixer(model, l, x, pos, u=h)
+        m = mixer(model, l, x, pos, u=h, attn=attn)
         h = x + m
         return model.mlp(l, h), h, m
 
