@@ -103,7 +103,7 @@ def test_attention_transfer_is_the_kl_of_the_attention_maps_and_trains_the_child
             maps[model] = dict.fromkeys(layers)
             train_logits(model, ids, attn=maps[model])
         for i, l in enumerate(layers):
-            pt, ps = maps[parent][l].exp(), maps[child][l].exp()
+            pt, ps = (attention_logprobs(*maps[m][l]).exp() for m in (parent, child))
             rows = [(pt[h, t, : t + 1] * (pt[h, t, : t + 1] / ps[h, t, : t + 1]).log()).sum()
                     for h in range(pt.shape[0]) for t in range(16)]
             torch.testing.assert_close(transfer[i].detach(), torch.stack(rows).mean(),

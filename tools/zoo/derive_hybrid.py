@@ -34,8 +34,8 @@ from models.loader import load_model, read_state_dict
 from models.model import CausalLM
 from models.zoo import DELTA_DIR
 from tools.zoo.derive import LoraLinear, needle_batch
-from tools.zoo.hybrid_init import (FA_PHASE, base_state, calibrate, hybrid_config, mixer,
-                                    train_logits)
+from tools.zoo.hybrid_init import (FA_PHASE, attention_logprobs, base_state, calibrate,
+                                    hybrid_config, mixer, train_logits)
 
 DELTA = DELTA_DIR / "smollm2-hybrid.safetensors"
 _COPIED = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -192,18 +192,21 @@ def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
     KL from the parent's attention distribution to the child's, per head and query
     position, averaged. It asks the attention the child kept to look where the parent's
     looks, on the child's own residual stream, whatever the text: the copying heads'
-    mechanism rather than any task's answers."""
-    maps_t = dict.fromkeys(attn_layers)
-    maps_s = dict.fromkeys(attn_layers)
+    mechanism rather than any task's answers. The forward keeps only each layer's q and k;
+    the T × T maps are formed one layer at a time and again in the backward pass
+    (`attention_kl`), so their memory is one layer's whatever the number of layers."""
+    qk_t = dict.fromkeys(attn_layers)
+    qk_s = dict.fromkeys(attn_layers)
     with torch.no_grad():
-        hidden_t = train_logits(parent, ids, final=False, attn=maps_t)[0]
-    hidden_s = train_logits(child, ids, checkpoint=checkpoint, final=False, attn=maps_s)[0]
-    missing = [l for l in attn_layers if maps_s[l] is None]
+        hidden_t = train_logits(parent, ids, final=False, attn=qk_t)[0]
+    hidden_s = train_logits(child, ids, checkpoint=checkpoint, final=False, attn=qk_s)[0]
+    missing = [l for l in attn_layers if qk_s[l] is None]
     if missing:
         raise ValueError(f"attention transfer: layers {missing} are not full attention "
                          "in the child")
-    transfer = torch.stack([(maps_t[l].exp() * (maps_t[l] - maps_s[l])).sum(-1).mean()
-                            for l in attn_layers]) if attn_layers else torch.zeros(0)
+    transfer = torch.stack([torch.utils.checkpoint.checkpoint(
+        attention_kl, *qk_t[l], *qk_s[l], use_reentrant=False)
+        for l in attn_layers]) if attn_layers else torch.zeros(0)
 
     def kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -216,6 +219,15 @@ def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
                                                         hidden_t[i:i + KL_CHUNK],
                                                         use_reentrant=False)
                       for i in range(0, hidden_s.shape[0], KL_CHUNK)]), transfer
+
+
+def attention_kl(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
+                 k_s: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) of one layer's attention distributions from their q and k
+    (`attention_logprobs`), averaged over heads and query positions."""
+    with torch.no_grad():
+        teacher = attention_logprobs(q_t, k_t)
+    return (teacher.exp() * (teacher - attention_logprobs(q_s, k_s))).sum(-1).mean()
 
 
 def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):
@@ -283,8 +295,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
             raise ValueError(f"attention transfer on layers {attn_layers}: the child's full-"
                              f"attention layers are {fa}")
         if gradient_checkpointing:
-            raise ValueError("attention transfer keeps T×T maps per layer: use it without "
-                             "gradient checkpointing")
+            raise ValueError("attention transfer reads q and k inside the layers: use it "
+                             "without gradient checkpointing")
     else:
         attn_layers = []
     params = attach_trainables(child, rank, seed)

@@ -136,13 +136,13 @@ def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
           u: torch.Tensor | None = None, attn: dict | None = None) -> torch.Tensor:
     """Differentiable token-mixer output of layer l (before the residual add); u is the
     previous feed-forward's input, which the query reads under q-first wiring. Where
-    `attn` has the key l and the layer is full attention, attn[l] becomes its attention
-    log-probabilities (`attention_logprobs`)."""
+    `attn` has the key l and the layer is full attention, attn[l] becomes its (q, k), from
+    which `attention_logprobs` forms the attention distributions."""
     layer = model.layer(l)
     if layer.kind == FULL_ATTENTION:
         a = model.attn_inputs(l, x, pos, u=u)
         if attn is not None and l in attn:
-            attn[l] = attention_logprobs(a.q, a.k)
+            attn[l] = (a.q, a.k)
         o = F.scaled_dot_product_attention(a.q.transpose(1, 2), a.k.transpose(1, 2),
                                            a.v.transpose(1, 2), is_causal=True,
                                            enable_gqa=True).transpose(1, 2)
@@ -155,14 +155,14 @@ def mixer(model: CausalLM, l: int, x: torch.Tensor, pos: torch.Tensor,
 def train_logits(model: CausalLM, ids: torch.Tensor, trace: list | None = None,
                  checkpoint: bool = False, final: bool = True, attn: dict | None = None):
     """Differentiable forward under the model's wiring; `trace` collects (layer input, mixer
-    output) per layer; `attn` ({layer: None, ...}, one sequence) gets those attention
-    layers' log-probabilities (`mixer`). `checkpoint` keeps only each layer's inputs for
-    the backward pass and recomputes the rest (gradient checkpointing: the same values, far
-    less memory at long sequences; not with `attn`, whose maps it would keep anyway);
-    `final=False` returns the last hidden state instead of the logits."""
+    output) per layer; `attn` ({layer: None, ...}) gets those attention layers' (q, k)
+    (`mixer`). `checkpoint` keeps only each layer's inputs for the backward pass and
+    recomputes the rest (gradient checkpointing: the same values, far less memory at long
+    sequences; not with `attn`, which would hold tensors from inside the recomputed
+    layers); `final=False` returns the last hidden state instead of the logits."""
     if checkpoint and attn:
-        raise ValueError("attention maps are kept whole; gradient checkpointing would not "
-                         "save their memory")
+        raise ValueError("attention transfer reads q and k inside the layers: not with "
+                         "gradient checkpointing")
     pos = torch.arange(ids.shape[1]).expand_as(ids)
     x, h = model.embed(ids), None
 
