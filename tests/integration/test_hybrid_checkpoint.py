@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from models import load_model
+from models.config import FULL_ATTENTION
 from tools.zoo.derive_hybrid import DELTA, apply_hybrid
 
 ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
@@ -161,6 +162,25 @@ def test_parent_retrieval_heads_sit_in_the_upper_middle_layers():
     assert ((0 <= scores) & (scores <= 1)).all()
     assert best[17:24].max() >= 0.3 and best[:6].max() < 0.15
     assert int(best.argmax()) in range(17, 24)
+
+
+def test_induction_heads_of_the_parent_and_the_hybrid():
+    """On random tokens repeated: SmolLM2's induction heads sit in layers 17 and 18 with a
+    strong previous-token head just below (16), none in the bottom layers; a hybrid has
+    scores only where it keeps attention."""
+    from tools.zoo.retrieval_heads import induction_scores
+
+    induction, previous = induction_scores(load_model(PARENT), n=120)
+    best, prev = induction.max(-1).values, previous.max(-1).values
+    assert ((0 <= induction) & (induction <= 1)).all() and ((0 <= previous) & (previous <= 1)).all()
+    assert best[17] > 0.5 and best[18] > 0.5 and best[:12].max() < 0.1
+    assert prev[16] > 0.5 and prev[0] < 0.2
+    assert int(best.argmax()) in (17, 18)
+    hybrid = load_model(HYBRID)
+    h_induction, _ = induction_scores(hybrid, n=120)
+    kept = [kind == FULL_ATTENTION for kind in hybrid.config.layer_types]
+    assert [not row.isnan().any().item() for row in h_induction] == kept
+    assert all(row.isnan().all() for row, k in zip(h_induction, kept) if not k)
 
 
 def test_repeated_passage_haystack_repeats_one_short_passage():

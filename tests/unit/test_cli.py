@@ -110,6 +110,21 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
     assert seen["attn_weight"] == 0.5 and seen["attn_layers"] == [17, 23]
 
 
+def test_derive_induction_heads_prints_each_attention_layer(tmp_path, tiny_configs, capsys):
+    from models import load_model
+    from models.random_checkpoint import save_random_checkpoint
+    from services.cli import main
+
+    cfg = dict(tiny_configs["qwen3_5"], num_hidden_layers=4)
+    cfg.pop("layer_types", None)
+    save_random_checkpoint(cfg, tmp_path, seed=1, std=0.1)
+    assert main(["derive", "induction-heads", "--parent", str(tmp_path), "--threads", "1"]) == 0
+    fa = load_model(tmp_path).config.full_attention_layers
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("layer")]
+    assert [int(line.split()[1]) for line in lines] == fa and fa
+    assert all("induction" in line and "previous-token" in line for line in lines)
+
+
 def test_derive_rejects_a_malformed_layer_list(capsys):
     from services.cli import main
 

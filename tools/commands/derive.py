@@ -27,11 +27,14 @@ def _layer_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     der = argparse.ArgumentParser(prog="splitstack derive", description=__doc__)
     der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid",
-                                      "retrieval-heads"],
+                                      "retrieval-heads", "induction-heads"],
                      help="qknorm / hybrid: calibrate + distil and store the delta; "
                           "apply-*: rebuild the checkpoint from the stored delta; "
                           "retrieval-heads: the parent's copy scores per head and the "
-                          "layers a hybrid keeping them would keep")
+                          "layers a hybrid keeping them would keep; induction-heads: "
+                          "induction and previous-token scores per attention layer of "
+                          "--parent (any checkpoint, hybrids included), on random tokens "
+                          "repeated")
     der.add_argument("--parent", default="models/zoo/smollm2-135m")
     der.add_argument("--out", help="default: models/zoo/smollm2-{qknorm,hybrid}")
     der.add_argument("--steps", type=int, help="KL distillation steps (default: the recipe's)")
@@ -126,6 +129,18 @@ def run(argv: list[str]) -> int:
             print(f"layer {l:2d}  max {max(row):.2f}  " + " ".join(f"{v:.2f}" for v in row))
         layers = retrieval_heads.choose_layers(scores, args.num_fa, args.num_retrieval)
         print("suggested: --fa-layers " + ",".join(map(str, layers)))
+    elif args.what == "induction-heads":
+        from models.loader import load_model
+        from tools.zoo import retrieval_heads
+
+        induction, previous = retrieval_heads.induction_scores(load_model(args.parent),
+                                                               seed=args.seed)
+        print(f"{args.parent}: best head per attention layer, 200 random tokens repeated")
+        for l in range(induction.shape[0]):
+            if not induction[l].isnan().any():
+                print(f"layer {l:2d}  induction {induction[l].max():.2f} "
+                      f"(head {int(induction[l].argmax())})  previous-token "
+                      f"{previous[l].max():.2f} (head {int(previous[l].argmax())})")
     elif args.what == "apply-hybrid":
         print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
     else:

@@ -15,6 +15,13 @@ positions (Qwen3.5's rule) from the bottom up, so the lower layers keep some exa
 too. On SmolLM2-135M five layers stand out, 17, 18, 20, 21 and 23 (best head 0.19-0.67 of
 the attention mass on the copied token; every other layer at most 0.17, most under 0.05);
 Qwen3.5's own rule keeps 3, 7, ..., 27, which replaces all of them but 23.
+
+`induction_scores` measures copying with no task format at all, on any model, hybrids
+included (Olsson et al., "In-context Learning and Induction Heads", 2022): a run of random
+tokens repeated once; in the second copy, an induction head attends from each token to the
+token after its first occurrence, a previous-token head to the token just before it. On
+SmolLM2-135M the induction heads sit in layers 17 (0.84), 18 (0.93), 20 and 23, and the
+strongest previous-token heads in layers 1, 2, 11, 16 (0.91) and 19.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import torch
 
 from models.config import FULL_ATTENTION
 from models.model import CausalLM
+from tools.zoo.hybrid_init import attention_logprobs, train_logits
 
 
 @torch.inference_mode()
@@ -91,3 +99,29 @@ def choose_layers(scores: torch.Tensor, num_fa: int, num_retrieval: int = 5,
             break
         chosen.add(l)
     return sorted(chosen)
+
+
+@torch.inference_mode()
+def induction_scores(model: CausalLM, n: int = 200,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (induction, previous-token) mass per (layer, head), [layers, heads] each, NaN in
+    layers without softmax attention: the mean attention, over the second copy of `n`
+    random tokens repeated, on the token after the current token's first occurrence and on
+    the token just before it. Token ids are drawn from [1000, 40000) (ordinary words and
+    pieces, not SmolLM2's special tokens), within the vocabulary."""
+    hi = min(40000, model.config.vocab_size)
+    seq = torch.randint(min(1000, hi // 10), hi, (n,),
+                        generator=torch.Generator().manual_seed(seed))
+    ids = torch.cat([seq, seq])[None]
+    qk = dict.fromkeys(range(model.config.num_hidden_layers))
+    train_logits(model, ids, attn=qk)
+    heads = model.config.num_attention_heads
+    induction = torch.full((len(qk), heads), float("nan"))
+    previous = induction.clone()
+    rows = torch.arange(n + 1, 2 * n)
+    for l, pair in qk.items():
+        if pair is not None:
+            p = attention_logprobs(*pair).exp()                              # [H, T, T]
+            induction[l] = p[:, rows, rows - n + 1].mean(-1)
+            previous[l] = p[:, rows, rows - 1].mean(-1)
+    return induction, previous
