@@ -215,7 +215,9 @@ class Cluster:
             old = os.fstat(fd).st_size
             if len(data) < old:
                 data += b"#" + b" " * (old - len(data) - 2) + b"\n"
-            assert os.pwrite(fd, data, 0) == len(data)
+            written = os.pwrite(fd, data, 0)
+            if written != len(data):
+                raise OSError(f"{path}: wrote {written} of {len(data)} bytes")
         finally:
             os.close(fd)
 

@@ -148,6 +148,11 @@ def apply_hybrid(parent_dir: str | Path, out_dir: str | Path,
     return out_dir
 
 
+def kl_div(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) over the last axis, from log-probabilities."""
+    return (teacher.exp() * (teacher - student)).sum(-1)
+
+
 @torch.no_grad()
 def heldout(parent: CausalLM, child: CausalLM, windows: list[torch.Tensor]) -> dict:
     """Per-token loss of both models and KL(parent ‖ child) on held-out windows."""
@@ -157,7 +162,7 @@ def heldout(parent: CausalLM, child: CausalLM, windows: list[torch.Tensor]) -> d
         tc = torch.log_softmax(child.forward(ids)[0], -1)
         lp += F.nll_loss(tp[:-1], ids[0, 1:]).item()
         lc += F.nll_loss(tc[:-1], ids[0, 1:]).item()
-        kl += (tp.exp() * (tp - tc)).sum(-1).mean().item()
+        kl += kl_div(tp, tc).mean().item()
     n = len(windows)
     return {"parent_loss": lp / n, "child_loss": lc / n, "kl": kl / n}
 
@@ -211,7 +216,7 @@ def distil_kl(parent: CausalLM, child: CausalLM, ids: torch.Tensor,
     def kl(hs: torch.Tensor, ht: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             teacher = torch.log_softmax(parent.final(ht), -1)
-        return (teacher.exp() * (teacher - torch.log_softmax(child.final(hs), -1))).sum(-1)
+        return kl_div(teacher, torch.log_softmax(child.final(hs), -1))
 
     if not checkpoint:
         return kl(hidden_s, hidden_t), transfer
@@ -227,7 +232,7 @@ def attention_kl(q_t: torch.Tensor, k_t: torch.Tensor, q_s: torch.Tensor,
     (`attention_logprobs`), averaged over heads and query positions."""
     with torch.no_grad():
         teacher = attention_logprobs(q_t, k_t)
-    return (teacher.exp() * (teacher - attention_logprobs(q_s, k_s))).sum(-1).mean()
+    return kl_div(teacher, attention_logprobs(q_s, k_s)).mean()
 
 
 def _schedule(opt, lr: float, step: int, steps: int, warmup: int = 10):

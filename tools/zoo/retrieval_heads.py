@@ -114,7 +114,7 @@ def induction_scores(model: CausalLM, n: int = 200,
                         generator=torch.Generator().manual_seed(seed))
     ids = torch.cat([seq, seq])[None]
     qk = dict.fromkeys(range(model.config.num_hidden_layers))
-    train_logits(model, ids, attn=qk)
+    train_logits(model, ids, attn=qk, final=False)
     heads = model.config.num_attention_heads
     induction = torch.full((len(qk), heads), float("nan"))
     previous = induction.clone()
