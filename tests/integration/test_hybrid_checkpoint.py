@@ -166,21 +166,51 @@ def test_parent_retrieval_heads_sit_in_the_upper_middle_layers():
 
 def test_induction_heads_of_the_parent_and_the_hybrid():
     """On random tokens repeated: SmolLM2's induction heads sit in layers 17 and 18 with a
-    strong previous-token head just below (16), none in the bottom layers; a hybrid has
-    scores only where it keeps attention."""
+    strong previous-token head just below (16), none in the bottom layers, and it copies the
+    second copy; a hybrid has scores only where it keeps attention."""
     from tools.zoo.retrieval_heads import induction_scores
 
-    induction, previous = induction_scores(load_model(PARENT), n=120)
+    parent = load_model(PARENT)
+    induction, previous, copy = induction_scores(parent, n=120)
     best, prev = induction.max(-1).values, previous.max(-1).values
     assert ((0 <= induction) & (induction <= 1)).all() and ((0 <= previous) & (previous <= 1)).all()
     assert best[17] > 0.5 and best[18] > 0.5 and best[:12].max() < 0.1
     assert prev[16] > 0.5 and prev[0] < 0.2
     assert int(best.argmax()) in (17, 18)
+    assert copy > 0.5              # the first copy, unpredictable, would score about 0
     hybrid = load_model(HYBRID)
-    h_induction, _ = induction_scores(hybrid, n=120)
+    h_induction = induction_scores(hybrid, n=120).induction
     kept = [kind == FULL_ATTENTION for kind in hybrid.config.layer_types]
     assert [not row.isnan().any().item() for row in h_induction] == kept
     assert all(row.isnan().all() for row, k in zip(h_induction, kept) if not k)
+
+
+def test_hex_copying_rests_on_layer_16s_previous_token_head():
+    """Random hex characters (a UUID's alphabet, one token each) repeated: SmolLM2 copies
+    them; zeroing the previous-token head 16:0 breaks that, zeroing a head of layer 3 does
+    not, and the hook is gone after the block. GDN layers and bad heads are refused."""
+    from services.common.tokenizer import load_tokenizer
+    from tools.zoo.retrieval_heads import ablated, induction_scores, single_char_ids
+
+    parent = load_model(PARENT)
+    hex_ids = single_char_ids(load_tokenizer(PARENT))
+    assert len(hex_ids) == 16 and len(set(hex_ids.tolist())) == 16
+    base = induction_scores(parent, n=120, alphabet=hex_ids)
+    with ablated(parent, [(16, 0)]):
+        cut = induction_scores(parent, n=120, alphabet=hex_ids)
+    with ablated(parent, [(3, 0)]):
+        other = induction_scores(parent, n=120, alphabet=hex_ids)
+    again = induction_scores(parent, n=120, alphabet=hex_ids)
+    assert base.copy > 0.8 and cut.copy < base.copy - 0.3
+    assert abs(other.copy - base.copy) < 0.1 and again.copy == base.copy
+    assert cut.previous[16, 0] == base.previous[16, 0]     # its pattern stays, its output goes
+    hybrid = load_model(HYBRID)
+    gdn = hybrid.config.layer_types.index(next(k for k in hybrid.config.layer_types
+                                               if k != FULL_ATTENTION))
+    for heads in ([(gdn, 0)], [(16, parent.config.num_attention_heads)], [(99, 0)]):
+        with pytest.raises(ValueError):
+            with ablated(hybrid if heads[0][0] == gdn else parent, heads):
+                pass
 
 
 def test_repeated_passage_haystack_repeats_one_short_passage():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 
@@ -24,6 +25,18 @@ def _layer_list(text: str) -> list[int]:
     return layers
 
 
+def _head_list(text: str) -> list[tuple[int, int]]:
+    message = f"expected layer:head pairs like 16:0,19:8, got {text!r}"
+    try:
+        heads = [tuple(int(v) for v in part.split(":")) for part in text.split(",")
+                 if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(message) from err
+    if not heads or any(len(pair) != 2 for pair in heads):
+        raise argparse.ArgumentTypeError(message)
+    return heads
+
+
 def build_parser() -> argparse.ArgumentParser:
     der = argparse.ArgumentParser(prog="splitstack derive", description=__doc__)
     der.add_argument("what", choices=["qknorm", "apply-qknorm", "hybrid", "apply-hybrid",
@@ -34,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "layers a hybrid keeping them would keep; induction-heads: "
                           "induction and previous-token scores per attention layer of "
                           "--parent (any checkpoint, hybrids included), on random tokens "
-                          "repeated")
+                          "and on random hex characters repeated, with the top-1 copy "
+                          "accuracy")
     der.add_argument("--parent", default="models/zoo/smollm2-135m")
     der.add_argument("--out", help="default: models/zoo/smollm2-{qknorm,hybrid}")
     der.add_argument("--steps", type=int, help="KL distillation steps (default: the recipe's)")
@@ -84,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="retrieval-heads: attention layers to suggest")
     der.add_argument("--num-retrieval", type=bounded(1), default=5,
                      help="retrieval-heads: of those, layers picked by their copying heads")
+    der.add_argument("--ablate", type=_head_list, default=[],
+                     help="induction-heads: zero these attention heads' outputs first, "
+                          "as layer:head pairs (e.g. 16:0,19:8)")
     der.add_argument("--threads", type=bounded(1), default=2)
     return der
 
@@ -131,16 +148,40 @@ def run(argv: list[str]) -> int:
         print("suggested: --fa-layers " + ",".join(map(str, layers)))
     elif args.what == "induction-heads":
         from models.loader import load_model
+        from services.common.tokenizer import has_tokenizer, load_tokenizer
         from tools.zoo import retrieval_heads
 
-        induction, previous = retrieval_heads.induction_scores(load_model(args.parent),
-                                                               seed=args.seed)
-        print(f"{args.parent}: best head per attention layer, 200 random tokens repeated")
-        for l in range(induction.shape[0]):
-            if not induction[l].isnan().any():
-                print(f"layer {l:2d}  induction {induction[l].max():.2f} "
-                      f"(head {int(induction[l].argmax())})  previous-token "
-                      f"{previous[l].max():.2f} (head {int(previous[l].argmax())})")
+        model = load_model(args.parent)
+        # the hex run needs the tokenizer's single-character tokens; a checkpoint without a
+        # tokenizer gets the word-piece run only
+        hex_ids = retrieval_heads.single_char_ids(load_tokenizer(args.parent)) \
+            if has_tokenizer(args.parent) else None
+        try:
+            with retrieval_heads.ablated(model, args.ablate):
+                words = retrieval_heads.induction_scores(model, seed=args.seed)
+                hexes = None if hex_ids is None else retrieval_heads.induction_scores(
+                    model, seed=args.seed, alphabet=hex_ids)
+        except ValueError as err:
+            print(f"splitstack derive: error: --ablate: {err}", file=sys.stderr)
+            return 2
+        ablated = ", ablated " + ",".join(f"{l}:{h}" for l, h in args.ablate) \
+            if args.ablate else ""
+        runs = "200 random tokens repeated" + ("" if hexes is None else
+                                               f", and 200 random hex characters "
+                                               f"({retrieval_heads.HEX}) repeated")
+        print(f"{args.parent}{ablated}: best head per attention layer, {runs}")
+        print(f"top-1 copy accuracy on the second copy: tokens {words.copy:.3f}"
+              + ("" if hexes is None else f", hex {hexes.copy:.3f}"))
+        for l in range(words.induction.shape[0]):
+            if not words.induction[l].isnan().any():
+                line = (f"layer {l:2d}  induction {words.induction[l].max():.2f} "
+                        f"(head {int(words.induction[l].argmax())})  previous-token "
+                        f"{words.previous[l].max():.2f} "
+                        f"(head {int(words.previous[l].argmax())})")
+                if hexes is not None:
+                    line += (f"  hex induction {hexes.induction[l].max():.2f} "
+                             f"(head {int(hexes.induction[l].argmax())})")
+                print(line)
     elif args.what == "apply-hybrid":
         print(f"rebuilt {derive_hybrid.apply_hybrid(args.parent, out, args.delta)}")
     else:
