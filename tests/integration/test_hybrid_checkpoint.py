@@ -204,6 +204,8 @@ def test_hex_copying_rests_on_layer_16s_previous_token_head():
     assert base.copy > 0.8 and cut.copy < base.copy - 0.3
     assert abs(other.copy - base.copy) < 0.1 and again.copy == base.copy
     assert cut.previous[16, 0] == base.previous[16, 0]     # its pattern stays, its output goes
+    with ablated(parent, [(16, None)]):                    # the whole layer, that head with it
+        assert induction_scores(parent, n=120, alphabet=hex_ids).copy < base.copy - 0.3
     hybrid = load_model(HYBRID)
     gdn = hybrid.config.layer_types.index(next(k for k in hybrid.config.layer_types
                                                if k != FULL_ATTENTION))

@@ -124,15 +124,15 @@ def test_derive_induction_heads_prints_each_attention_layer(tmp_path, tiny_confi
     assert [int(line.split()[1]) for line in lines] == fa and fa
     assert all("induction" in line and "previous-token" in line for line in lines)
     out_ablated = main(["derive", "induction-heads", "--parent", str(tmp_path), "--threads", "1",
-                        "--ablate", f"{fa[0]}:0"])
-    assert out_ablated == 0 and f"ablated {fa[0]}:0" in capsys.readouterr().out
+                        "--ablate", f"{fa[0]}:0,{fa[-1]}:*"])
+    assert out_ablated == 0 and f"ablated {fa[0]}:0,{fa[-1]}:*" in capsys.readouterr().out
     gdn = next(l for l in range(4) if l not in fa)
     assert main(["derive", "induction-heads", "--parent", str(tmp_path), "--threads", "1",
                  "--ablate", f"{gdn}:0"]) == 2
     assert "no softmax attention" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("bad", ["16", "16:x", "16:0:1", ","])
+@pytest.mark.parametrize("bad", ["16", "16:x", "16:0:1", ",", "x:*"])
 def test_derive_rejects_a_malformed_head_list(bad, capsys):
     from services.cli import main
 

@@ -25,14 +25,19 @@ def _layer_list(text: str) -> list[int]:
     return layers
 
 
-def _head_list(text: str) -> list[tuple[int, int]]:
-    message = f"expected layer:head pairs like 16:0,19:8, got {text!r}"
-    try:
-        heads = [tuple(int(v) for v in part.split(":")) for part in text.split(",")
-                 if part.strip()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(message) from err
-    if not heads or any(len(pair) != 2 for pair in heads):
+def _head_list(text: str) -> list[tuple[int, int | None]]:
+    """`16:0,19:*` -> [(16, 0), (19, None)]; None stands for every head of the layer."""
+    message = f"expected layer:head pairs like 16:0,19:* (* for every head), got {text!r}"
+    heads = []
+    for part in filter(str.strip, text.split(",")):
+        fields = part.strip().split(":")
+        if len(fields) != 2:
+            raise argparse.ArgumentTypeError(message)
+        try:
+            heads.append((int(fields[0]), None if fields[1] == "*" else int(fields[1])))
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(message) from err
+    if not heads:
         raise argparse.ArgumentTypeError(message)
     return heads
 
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="retrieval-heads: of those, layers picked by their copying heads")
     der.add_argument("--ablate", type=_head_list, default=[],
                      help="induction-heads: zero these attention heads' outputs first, "
-                          "as layer:head pairs (e.g. 16:0,19:8)")
+                          "as layer:head pairs (e.g. 16:0,19:*; * for all of a layer's)")
     der.add_argument("--threads", type=bounded(1), default=2)
     return der
 
@@ -164,7 +169,8 @@ def run(argv: list[str]) -> int:
         except ValueError as err:
             print(f"splitstack derive: error: --ablate: {err}", file=sys.stderr)
             return 2
-        ablated = ", ablated " + ",".join(f"{l}:{h}" for l, h in args.ablate) \
+        ablated = ", ablated " + ",".join(f"{l}:{'*' if h is None else h}"
+                                          for l, h in args.ablate) \
             if args.ablate else ""
         runs = "200 random tokens repeated" + ("" if hexes is None else
                                                f", and 200 random hex characters "

@@ -162,24 +162,24 @@ def induction_scores(model: CausalLM, n: int = 200, seed: int = 0,
 
 
 @contextmanager
-def ablated(model: CausalLM, heads: list[tuple[int, int]]):
+def ablated(model: CausalLM, heads: list[tuple[int, int | None]]):
     """Within the block, the given (layer, head) attention heads write nothing: their slice
-    of o_proj's input is zeroed. A causal check of what a head does (remove it, measure
-    again); attention layers only."""
+    of o_proj's input is zeroed (head None: every head of the layer). A causal check of what
+    a head does (remove it, measure again); attention layers only."""
     cfg = model.config
     hooks = []
     try:
         for l, h in heads:
             if not 0 <= l < cfg.num_hidden_layers or cfg.layer_types[l] != FULL_ATTENTION:
                 raise ValueError(f"layer {l} has no softmax attention to ablate")
-            if not 0 <= h < cfg.num_attention_heads:
+            if h is not None and not 0 <= h < cfg.num_attention_heads:
                 raise ValueError(f"head {h} out of range (layer {l} has "
                                  f"{cfg.num_attention_heads})")
-            d = cfg.head_dim
+            cols = slice(None) if h is None else slice(h * cfg.head_dim, (h + 1) * cfg.head_dim)
 
-            def zero(module, args, h=h, d=d):
+            def zero(module, args, cols=cols):
                 x = args[0].clone()
-                x[..., h * d:(h + 1) * d] = 0
+                x[..., cols] = 0
                 return (x, *args[1:])
             hooks.append(model.layer(l).self_attn.o_proj.register_forward_pre_hook(zero))
         yield model
