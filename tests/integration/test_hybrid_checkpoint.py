@@ -253,6 +253,36 @@ def test_varied_needle_formats_add_codes_and_single_statements():
         needle_batch(tok, filler, 300, rng, formats="fancy")
 
 
+def test_copy_items_write_one_span_twice_and_mask_the_second_copy():
+    """`copy_batch`: exactly seq_len tokens; the span sits once in the first half and again
+    at the end; the mask covers the positions that predict the second copy's tokens after
+    its first (so ids[mask + 1] is the span without its first token); both kinds of span
+    (word pieces, single letters and digits) appear."""
+    import random
+
+    from services.common.tokenizer import load_tokenizer
+    from tools.zoo.derive import COPY_CHARS, copy_batch
+
+    tok = load_tokenizer(PARENT)
+    filler = tok(TEXT * 40, add_special_tokens=False)["input_ids"]
+    chars = {tok.convert_tokens_to_ids(c) for c in COPY_CHARS}
+    rng, kinds = random.Random(0), set()
+    for _ in range(24):
+        ids, mask = copy_batch(tok, filler, 256, rng)
+        ids = ids[0].tolist()
+        assert len(ids) == 256 and len(mask) == 256
+        at = int(mask.nonzero()[0, 0])
+        n = int(mask.sum()) + 1
+        span = ids[at:at + n]
+        assert [ids[i + 1] for i in mask.nonzero()[:, 0].tolist()] == span[1:]
+        first = next(i for i in range(len(ids)) if ids[i:i + n] == span)
+        assert first + n <= 128 and at >= 256 - n - 8 and first < at
+        kinds.add(set(span) <= chars)
+    assert kinds == {True, False}
+    with pytest.raises(ValueError, match="no text"):
+        copy_batch(tok, filler, 30, random.Random(1))
+
+
 @pytest.mark.slow
 def test_distillation_steps_run_and_train(tmp_path):
     """`derive hybrid` trains through the chunked delta rule: two logit steps continued
@@ -272,3 +302,12 @@ def test_distillation_steps_run_and_train(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert load_model(tmp_path / "out").config.layer_types == \
         load_model(HYBRID).config.layer_types
+    # copying items: the share is recorded with their KL; shares over 1 are refused
+    recipe = derive_hybrid(PARENT, tmp_path / "out2", init_delta=DELTA, steps=2, seq_len=64,
+                           copy_frac=1.0, needle_len=128, kl_lr=1e-3, seed=5,
+                           delta_path=tmp_path / "d2.safetensors", log=lambda *_: None)
+    assert recipe["copy_frac"] == 1.0 and recipe["copy_kl_last10"] > 0
+    with pytest.raises(ValueError, match="over 1"):
+        derive_hybrid(PARENT, tmp_path / "out3", init_delta=DELTA, steps=1, seq_len=64,
+                      needle_frac=0.6, copy_frac=0.6, delta_path=tmp_path / "d3.safetensors",
+                      log=lambda *_: None)

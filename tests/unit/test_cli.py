@@ -91,7 +91,7 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
     assert seen["fa_phase"] == 2 and seen["needle_frac"] == 0.5 and seen["steps"] == 3
     assert seen["delta_path"] == str(tmp_path / "d.safetensors")
     assert not {"init_delta", "needle_len", "answer_weight", "kl_lr", "gradient_checkpointing",
-                "attn_weight", "attn_layers"} & set(seen)                           # defaults
+                "attn_weight", "attn_layers", "copy_frac"} & set(seen)              # defaults
     seen.clear()
     assert main(["derive", "hybrid", "--init-delta", "old.safetensors", "--needle-len", "1024",
                  "--answer-weight", "2", "--kl-lr", "3e-4", "--threads", "1",
@@ -108,6 +108,10 @@ def test_derive_hybrid_passes_the_recipe_flags(monkeypatch, tmp_path):
     assert main(["derive", "hybrid", "--attn-weight", "0.5", "--attn-layers", "23,17",
                  "--threads", "1", "--out", str(tmp_path / "m")]) in (0, None)
     assert seen["attn_weight"] == 0.5 and seen["attn_layers"] == [17, 23]
+    seen.clear()
+    assert main(["derive", "hybrid", "--copy-frac", "0.25", "--threads", "1",
+                 "--out", str(tmp_path / "m")]) in (0, None)
+    assert seen["copy_frac"] == 0.25
 
 
 def test_derive_induction_heads_prints_each_attention_layer(tmp_path, tiny_configs, capsys):

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     der.add_argument("--attn-layers", type=_layer_list, default=None,
                      help="hybrid: the layers attention transfer covers (default: every "
                           "layer that keeps attention)")
+    der.add_argument("--copy-frac", type=float, default=None,
+                     help="hybrid: share of logit-stage batches that are copying items with "
+                          "no task format: a random span written twice into calibration "
+                          "text, KL on the second copy (default 0)")
     der.add_argument("--items", type=bounded(1), default=16,
                      help="retrieval-heads: train-family items to score")
     der.add_argument("--num-fa", type=bounded(1), default=8,
@@ -132,7 +136,8 @@ def run(argv: list[str]) -> int:
         if args.delta:
             opts["delta_path"] = args.delta
         for key in ("init_delta", "needle_len", "answer_weight", "kl_lr", "repeated_share",
-                    "needle_formats", "gradient_checkpointing", "attn_weight", "attn_layers"):
+                    "needle_formats", "gradient_checkpointing", "attn_weight", "attn_layers",
+                    "copy_frac"):
             if getattr(args, key) is not None:
                 opts[key] = getattr(args, key)
         recipe = derive_hybrid.derive_hybrid(args.parent, out, seed=args.seed, log=log,

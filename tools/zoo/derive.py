@@ -172,6 +172,37 @@ def needle_batch(tok, filler: list[int], seq_len: int, rng, repeated_share: floa
     return torch.tensor([ids]), mask[:len(ids)]
 
 
+COPY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+def copy_batch(tok, filler: list[int], seq_len: int, rng) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copying item with no task format: calibration text with one random span written
+    into it twice, the first time in the first half, the second just before the end, and a
+    mask of the second copy's positions after its first token (where the parent predicts
+    the span from the first copy: its induction circuit at work). No question, key or answer
+    template; the span is 8-48 random word pieces, or half the time 12-48 single letters and
+    digits (the train family's serial-code alphabet), the case where one token of context
+    is not enough to find the place to copy from."""
+    if rng.random() < 0.5:
+        lo = min(1000, len(tok) // 10)
+        span = [rng.randrange(lo, min(40000, len(tok))) for _ in range(rng.randint(8, 48))]
+    else:
+        chars = [tok.convert_tokens_to_ids(c) for c in COPY_CHARS]
+        span = [rng.choice(chars) for _ in range(rng.randint(12, 48))]
+    room = seq_len - 2 * len(span)
+    if room < 16:
+        raise ValueError(f"seq_len {seq_len} leaves no text around a {len(span)}-token span")
+    start = rng.randrange(len(filler) - room)
+    text = filler[start:start + room]
+    first = rng.randrange(0, room // 2)
+    second = room - rng.randint(0, 8)
+    ids = text[:first] + span + text[first:second] + span + text[second:]
+    mask = torch.zeros(len(ids), dtype=torch.bool)
+    at = first + len(span) + (second - first)          # the second copy's first position
+    mask[at:at + len(span) - 1] = True                 # predicting tokens 2.. of the copy
+    return torch.tensor([ids]), mask
+
+
 def derive_qknorm(parent_dir: str | Path, out_dir: str | Path, *, steps: int = 120,
                   seq_len: int = 384, rank: int = 16, lr: float = 2e-3, seed: int = 0,
                   needle_frac: float = 0.0, delta_path: str | Path = DELTA,

@@ -33,7 +33,7 @@ from models.config import FULL_ATTENTION, ModelConfig
 from models.loader import load_model, read_state_dict
 from models.model import CausalLM
 from models.zoo import DELTA_DIR
-from tools.zoo.derive import LoraLinear, needle_batch
+from tools.zoo.derive import LoraLinear, copy_batch, needle_batch
 from tools.zoo.hybrid_init import (FA_PHASE, attention_logprobs, base_state, calibrate,
                                     hybrid_config, mixer, train_logits)
 
@@ -248,7 +248,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
                   answer_weight: float = 1.0, repeated_share: float = 0.0,
                   needle_formats: str = "classic", init_delta: str | Path | None = None,
                   gradient_checkpointing: bool = False, attn_weight: float = 0.0,
-                  attn_layers: list[int] | None = None,
+                  attn_layers: list[int] | None = None, copy_frac: float = 0.0,
                   delta_path: str | Path = DELTA, log=print) -> dict:
     """Calibrate, distil layer-wise then on logits; writes the delta and the checkpoint.
 
@@ -259,7 +259,9 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     The recipe records the one it continued from. `gradient_checkpointing` makes the logit
     stage's memory fit long items (`distil_kl`) at about one more forward pass per step.
     `attn_weight` > 0 adds attention transfer (`distil_kl`) on `attn_layers` (default:
-    every full-attention layer of the child) to each logit-stage step."""
+    every full-attention layer of the child) to each logit-stage step. `copy_frac` of the
+    logit-stage batches are copying items with no task format (`derive.copy_batch`,
+    `needle_len` tokens), whose copied-span KL is weighted like an answer's."""
     import random
 
     from evals.corpus import documents, haystack_text
@@ -335,12 +337,16 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
     rng = random.Random(seed)
     filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
-    kls, answer_kl, attn_kl = [], [], []
+    if needle_frac + copy_frac > 1:
+        raise ValueError(f"needle_frac + copy_frac is {needle_frac + copy_frac}: over 1")
+    kls, answer_kl, attn_kl, copy_kl = [], [], [], []
     for step in range(steps):
-        b, answer = batch(layerwise_steps + step), None
-        if rng.random() < needle_frac:
+        b, answer, draw = batch(layerwise_steps + step), None, rng.random()
+        if draw < needle_frac:
             b, answer = needle_batch(tok, filler, needle_len or seq_len, rng, repeated_share,
                                      needle_formats)
+        elif draw < needle_frac + copy_frac:
+            b, answer = copy_batch(tok, filler, needle_len or seq_len, rng)
         kl, transfer = distil_kl(parent, child, b, gradient_checkpointing,
                                  tuple(attn_layers))                             # [T], [A]
         loss = kl.mean()
@@ -349,7 +355,7 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
             attn_kl.append(transfer.mean().item())
         if answer is not None:
             loss = loss + answer_weight * kl[answer].mean()
-            answer_kl.append(kl[answer].mean().item())
+            (answer_kl if draw < needle_frac else copy_kl).append(kl[answer].mean().item())
         opt.zero_grad()
         loss.backward()
         _schedule(opt, kl_lr, step, steps, warmup=5)
@@ -360,6 +366,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
             log(f"[hybrid] KL {step}: {loss.item():.4f}"
                 + (f", answer KL (last 5 items) {sum(recent) / len(recent):.3f}" if recent else "")
                 + (f", attention KL {attn_kl[-1]:.3f}" if attn_kl else "")
+                + (f", copy KL (last 5) {sum(copy_kl[-5:]) / len(copy_kl[-5:]):.3f}"
+                   if copy_kl else "")
                 + f" ({time.perf_counter() - start:.0f}s)")
     seconds = round(time.perf_counter() - start)
     recipe = {"name": "smollm2-hybrid", "parent": "smollm2-135m",
@@ -371,6 +379,9 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
               "repeated_share": repeated_share, "needle_formats": needle_formats,
               "gradient_checkpointing": gradient_checkpointing,
               "attn_weight": attn_weight, "attn_layers": attn_layers,
+              "copy_frac": copy_frac,
+              "copy_kl_last10": (sum(copy_kl[-10:]) / len(copy_kl[-10:])
+                                 if copy_kl else None),
               "attn_kl_first": attn_kl[0] if attn_kl else None,
               "attn_kl_last10": (sum(attn_kl[-10:]) / len(attn_kl[-10:])
                                  if attn_kl else None),
