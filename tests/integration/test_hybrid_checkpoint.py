@@ -14,8 +14,8 @@ ZOO = Path(__file__).resolve().parents[2] / "models" / "zoo"
 HYBRID, PARENT = ZOO / "smollm2-hybrid", ZOO / "smollm2-135m"
 TEXT = ("The pickle module implements binary protocols for serializing and de-serializing a "
         "Python object structure.")
-# Measured on the test's two held-out windows: 3.43 nat vs the parent's 2.87 (+0.56; KL 0.80;
-# stage C 3.45; before the retrieval stages 3.34). The bound leaves about 0.4 nat of headroom.
+# Measured on the test's two held-out windows: 3.38 nat vs the parent's 2.87 (+0.51; KL 0.71;
+# the earlier every-fourth-layer stage F 3.43). The bound leaves about 0.5 nat of headroom.
 LOSS_MARGIN = 1.0
 
 
@@ -24,16 +24,18 @@ def test_delta_fits_its_budget():
 
 
 @pytest.mark.slow
-def test_layout_is_three_gdn_to_one_attention():
-    """Every fourth layer keeps attention, at the phase the delta records."""
+def test_layout_is_the_recipes():
+    """Attention stays at the layers the delta's recipe names (every fourth layer at its
+    phase when it names none); every other layer is Gated DeltaNet."""
     from tools.zoo.derive_hybrid import LEGACY_FA_PHASE, delta_recipe
 
-    phase = delta_recipe(DELTA).get("fa_phase", LEGACY_FA_PHASE)
+    recipe = delta_recipe(DELTA)
+    fa = recipe.get("fa_layers") or list(range(recipe.get("fa_phase", LEGACY_FA_PHASE), 30, 4))
     cfg = load_model(HYBRID).config
     assert cfg.model_type == "qwen3_5_text" and cfg.is_hybrid
-    assert cfg.full_attention_layers == list(range(phase, 30, 4))
-    assert len(cfg.full_attention_layers) == 7 and len(cfg.linear_attention_layers) == 23
-    assert cfg.linear_attention_layers == [i for i in range(30) if i % 4 != phase]
+    assert cfg.full_attention_layers == sorted(fa)
+    assert cfg.linear_attention_layers == [i for i in range(30) if i not in fa]
+    assert 0 < len(fa) <= 10                   # most layers linear, as in Qwen3.5's 3 : 1
     assert cfg.attn_output_gate and cfg.qk_norm and cfg.zero_centered_norm
     assert cfg.rotary_dim == cfg.head_dim == 64
 

@@ -1,4 +1,7 @@
-"""`smollm2-hybrid`: a Qwen3.5 text checkpoint (3 Gated DeltaNet : 1 full attention) from SmolLM2.
+"""`smollm2-hybrid`: a Qwen3.5 text checkpoint (Gated DeltaNet and full attention) from SmolLM2.
+
+The layout is every fourth layer at `fa_phase` (Qwen3.5's 3 : 1), or an explicit `fa_layers`
+set; the zoo's delta keeps 8 of 30 layers, SmolLM2's copy circuit among them.
 
 The layout, weight conversion and calibrated init live in `hybrid_init`. Here:
 1. distil layer-wise: every token mixer regresses the parent's mixer output (relative MSE) on
@@ -9,8 +12,8 @@ The layout, weight conversion and calibrated init live in `hybrid_init`. Here:
 3. store what the parent cannot regenerate (`encode_delta`): LoRA factors (fp16) on the
    GDN in_proj_qkv / out_proj, in_proj_z as int8 with per-row scales, the attention q/k
    projections (ballast rows refitted, gate rows trained) in fp16, the small tensors in fp32;
-   `apply_hybrid` rebuilds the checkpoint from the parent and the delta; the layout's
-   `fa_phase` is read from the recipe in the delta's metadata.
+   `apply_hybrid` rebuilds the checkpoint from the parent and the delta; the layout
+   (`fa_phase`, `fa_layers`) is read from the recipe in the delta's metadata.
 
 Trainable: everything the conversion created or changed (GDN tensors, attention q/k
 projections and norms); embeddings, MLPs, layer norms, v/o projections stay frozen.
