@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from services.cli.argtypes import DTYPES, bounded, int_list
+from services.cli.argtypes import DTYPES, bounded, int_list, resolve_dtype
 from services.cli.serve_args import ServeArgs
 from services.common.process import tune_process
 
@@ -52,7 +52,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ids = tokenizer(args.prompt)["input_ids"]
     else:
         ids = list(args.token_ids)
-    model = load_model(args.model, dtype=DTYPES[args.dtype])
+    dtype = resolve_dtype(args.dtype)          # `auto` as in `serve`, so both answer alike
+    model = load_model(args.model, dtype=DTYPES[dtype])
     engine = LLMEngine(model, EngineConfig(block_size=args.block_size),
                        eos_token_ids=eos_token_ids(args.model))
     params = GenerationParams(
@@ -70,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.print_ids or tokenizer is None:
         print(",".join(map(str, seq.output_ids)))
     print(f"[{len(ids)} prompt + {len(seq.output_ids)} generated tokens in {elapsed:.2f}s, "
-          f"finish_reason={seq.finish_reason}]", file=sys.stderr)
+          f"finish_reason={seq.finish_reason}, dtype={dtype}]", file=sys.stderr)
     return 0 if seq.finish_reason != "error" else 1
 
 
@@ -192,7 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no end-of-sequence token before this many")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--print-ids", action="store_true", help="also print the generated ids")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    gen.add_argument("--dtype", choices=("auto", *sorted(DTYPES)), default="auto",
+                     help="as `serve --dtype`: auto is bfloat16 on a CPU with native bf16, "
+                          "else float32; the one used is printed on stderr")
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--threads", type=bounded(1), default=2)
     gen.set_defaults(func=cmd_generate)

@@ -10,6 +10,7 @@ import pytest
 
 from kernels.sampling import SamplingParams
 from models import load_model
+from services.cli.argtypes import resolve_dtype
 from services.common.tokenizer import eos_token_ids, load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 
@@ -26,13 +27,32 @@ def run_cli(*args):
 def test_generate_token_ids_matches_engine(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_5")
     proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2,3,4",
-                   "--max-tokens", "6", "--ignore-eos", "--print-ids")
+                   "--max-tokens", "6", "--ignore-eos", "--print-ids", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     printed = [int(t) for t in proc.stdout.strip().splitlines()[-1].split(",")]
     expect = LLMEngine(load_model(path)).generate(
         [[1, 2, 3, 4]], GenerationParams(max_tokens=6, ignore_eos=True))[0].output_ids
     assert printed == expect and len(printed) == 6
-    assert "finish_reason=length" in proc.stderr
+    assert "finish_reason=length" in proc.stderr and "dtype=float32" in proc.stderr
+
+
+def test_generate_and_serve_share_the_default_dtype():
+    """A prompt answered by `generate` and by `serve` runs in one precision unless a flag
+    says otherwise: both default to `auto`."""
+    from services.cli import build_parser
+    from services.cli.serve_args import ServeArgs
+
+    gen = build_parser().parse_args(["generate", "--model", "m", "--token-ids", "1"])
+    srv = ServeArgs.from_cli(build_parser().parse_args(["serve", "--model", "m"]))
+    assert gen.dtype == srv.dtype == "auto"
+
+
+@pytest.mark.slow
+def test_generate_reports_the_resolved_dtype(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_5")
+    proc = run_cli("generate", "--model", str(path), "--token-ids", "1,2", "--max-tokens", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert f"dtype={resolve_dtype('auto')}]" in proc.stderr
 
 
 @pytest.mark.slow
@@ -41,7 +61,8 @@ def test_generate_with_penalties_matches_engine(tiny_checkpoint):
     the engine does with the same settings."""
     zoo = Path(__file__).resolve().parents[2] / "models" / "zoo" / "smollm2-135m"
     args = ("generate", "--model", str(zoo), "--chat", "--prompt",
-            "List the numbers from one to ten.", "--max-tokens", "24", "--print-ids")
+            "List the numbers from one to ten.", "--max-tokens", "24", "--print-ids",
+            "--dtype", "float32")
     plain = run_cli(*args)
     proc = run_cli(*args, "--repetition-penalty", "1.3", "--presence-penalty", "0.5")
     assert plain.returncode == proc.returncode == 0, proc.stderr
