@@ -1,9 +1,11 @@
-"""Issue 29, findings 1 and 6, against a real `splitstack serve` process (SmolLM2, embedded,
-loopback) with short timeouts, a small queue and a per-client connection cap:
+"""Oversized bodies and abusive connections against a real `splitstack serve` process
+(SmolLM2, embedded, loopback) with short timeouts, a small queue and a per-client
+connection cap, because a server that tokenizes before it checks sizes can be stalled by
+one client:
 
-- finding 1: a 20 MB body in flight leaves `/health` fast and the server's RSS near its
+- a 20 MB body in flight leaves `/health` fast and the server's RSS near its
   baseline (the body is read, parsed and refused by its length alone, never tokenized);
-- finding 6: idle and slowloris connections are closed at the header timeout, a client's
+- idle and slowloris connections are closed at the header timeout, a client's
   connections past the cap are refused, a trickled body gets 408, generation requests past
   the waiting-queue bound get 503 with Retry-After;
 - the API key never reaches the server's log.

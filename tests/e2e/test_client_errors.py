@@ -1,4 +1,4 @@
-"""Issue 29, findings 3 and 5, over HTTP with SmolLM2: what a client gets wrong is a 400
+"""Over HTTP with SmolLM2: what a client gets wrong is a 400
 with an OpenAI-style body naming the field (never a 500, never FastAPI's `{"detail": ...}`),
 and `GET /v1/models/{model}` answers as OpenAI's does."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 26 (2, 5) for the gateway process: `splitstack serve` receives SIGTERM mid-stream;
+"""A rolling restart must not cut streams: `splitstack serve` receives SIGTERM mid-stream;
 readiness turns false at once, new generation requests get 503 with Retry-After, liveness
 stays up, the stream in flight finishes with the exact engine's tokens, and the process
 then exits 0."""

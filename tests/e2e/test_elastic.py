@@ -1,4 +1,4 @@
-"""Issue 26 (1, 2, 4): pools resized while serving. SmolLM2 on Ray (one attention service,
+"""Pools resized while serving, with no request lost. SmolLM2 on Ray (one attention service,
 one MLP pool replica, one prefill replica, grpc transport) under a steady load of 8
 concurrent greedy streams: mlp 1 -> 3 -> 1, prefill 1 -> 2 -> 1 and attention
 1 -> 2 -> 3 -> 1 through the admin API and `splitstack scale`, and mlp 1 -> 2 -> 1 by the

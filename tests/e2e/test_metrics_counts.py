@@ -1,4 +1,4 @@
-"""Issue 29, finding 4, over HTTP with SmolLM2: `/metrics` scraped before and after
+"""Over HTTP with SmolLM2: `/metrics` scraped before and after
 requests counts each request once under its outcome, and `splitstack_requests_running`
 reads 0 once the server is idle."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 28 (items 1, 4): a real Prometheus scraping both deployments while they serve.
+"""The dashboards and alerts read real series: a real Prometheus scraping both deployments while they serve.
 
 SmolLM2 served embedded (its hybrid derivative, by `splitstack serve`) and on Ray (1 attention service, 1 MLP
 pool replica, 1 prefill replica), each with the prefix cache (memory and Redis), RidgeFill

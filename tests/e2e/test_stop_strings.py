@@ -1,4 +1,4 @@
-"""Issue 29, finding 2, over HTTP with SmolLM2: a stop string that spans tokens ends the
+"""Over HTTP with SmolLM2: a stop string that spans tokens ends the
 answer before its first character, streamed or whole, and the finish reason and usage are
 those of the tokens generated through the stop string."""
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Issue 29, finding 6 (the internal gRPC ports accept anyone who can reach them): with a
-token set, the attention, MLP pool, prefill and prefix-cache servers refuse every call that
-lacks it (UNAUTHENTICATED), while every client channel (the pool transport, the prefill
-client and its probes, the gateway's grpc.aio backend) carries it; the same over TLS with
-a self-signed certificate made here."""
+"""The internal gRPC ports must not accept anyone who can reach them: with a token set, the
+attention, MLP pool, prefill and prefix-cache servers refuse every call that lacks it
+(UNAUTHENTICATED), while every client channel (the pool transport, the prefill client and
+its probes, the gateway's grpc.aio backend) carries it; the same over TLS with a
+self-signed certificate made here."""
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,4 @@
-"""Issue 28 (item 3): deploy/prometheus/ checked by Debian's promtool (`make setup` installs
+"""An alert rule that never fires is worse than none: deploy/prometheus/ checked by Debian's promtool (`make setup` installs
 it): the scrape config and the rule files it names are valid, and the rules' unit tests
 (deploy/prometheus/tests/) show each alert firing on a synthetic faulty series and silent on
 a healthy one."""

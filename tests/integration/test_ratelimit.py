@@ -1,4 +1,4 @@
-"""Issue 29, finding 6 (no rate limit): per-API-key token buckets in the local Redis, shared
+"""One client must not starve the rest: per-API-key token buckets in the local Redis, shared
 by every gateway that uses it; 429 with Retry-After past a limit; Redis down fails open and
 is counted. Two gateways run in process (httpx's ASGI transport) over an engine that plays
 back tokens."""

@@ -1,4 +1,4 @@
-"""Issue 26 (4), without Ray: `--autoscale` parsing, the per-pool decisions from a window of
+"""The autoscaler without Ray: `--autoscale` parsing, the per-pool decisions from a window of
 load, cooldown and bounds, the p95 read from histogram deltas, and the pool manager acting on
 the decisions with `splitstack_pool_replicas` and `splitstack_scale_events_total` exported."""
 from __future__ import annotations

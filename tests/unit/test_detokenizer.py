@@ -139,8 +139,8 @@ def reference(tokenizer, tokens, stops, min_tokens, include, skip):
     """(text sent, finish reason, tokens generated) from the whole output decoded at once:
     the text ends at the first stop string to end after the text of the first `min_tokens`
     tokens (the longest of those ending at one character), before it (after it with
-    `include`); the count is the token that completed it. No part of a stop string is sent
-    (issue 29)."""
+    `include`); the count is the token that completed it. No part of a stop string is sent,
+    since a client that sees one cannot take it back."""
     detok, ends, total = IncrementalDetokenizer(tokenizer, skip), [], 0
     for t in tokens:                       # final text after each token
         total += len(detok.add(t))

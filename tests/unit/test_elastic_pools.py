@@ -1,4 +1,4 @@
-"""Issue 26 (1, 5), without Ray: the pool manager's membership bookkeeping against a scripted
+"""Elastic pools without Ray: the pool manager's membership bookkeeping against a scripted
 placement (join when ready, leave routing before draining, kill only once idle or timed out),
 the admin API's refusals, readiness and the drain on SIGTERM, and a transport's replica list
 changed between calls."""

@@ -1,4 +1,4 @@
-"""Issue 29, finding 4: the gateway's request metrics count each request once, under its
+"""Dashboards and alerts are only as good as the counts: the gateway's request metrics count each request once, under its
 real outcome, and `splitstack_requests_running` is exact (0 when idle).
 
 A played-back engine stands in for the model; the counts are read from the registry."""

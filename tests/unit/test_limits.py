@@ -1,6 +1,6 @@
-"""Issue 29, finding 1 and the limits checked before any work (`services.gateway.limits`):
-body size and read time, the waiting-queue bound, the request caps, prompts refused by
-their length before tokenizing, and tokenizing off the event loop.
+"""The limits checked before any work, so that one request cannot stall the server
+(`services.gateway.limits`): body size and read time, the waiting-queue bound, the request
+caps, prompts refused by their length before tokenizing, and tokenizing off the event loop.
 
 The gateway runs in process (httpx's ASGI transport) over SmolLM2's tokenizer and an
 engine that plays back tokens."""

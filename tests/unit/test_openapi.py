@@ -1,4 +1,4 @@
-"""Issue 29, finding 5: `/openapi.json` declares the responses the gateway really gives
+"""Generated clients trust the schema: `/openapi.json` declares the responses the gateway really gives
 (400, 401, 404, 408, 413, 429, 503 with the OpenAI error body; no 422, which it never sends) and
 the media types it sends (SSE streams, `/metrics` as text), and `GET /v1/models/{model}`."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 28 (item 1): a request's queue, prefill and decode stages, measured by the engine and
+"""Where a request's time goes: a request's queue, prefill and decode stages, measured by the engine and
 the gateway, and its outcome by finish reason (`splitstack_request_*_time_seconds`,
 `splitstack_requests_finished_total`, `splitstack_requests_waiting`)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 29, finding 2: stop strings that span tokens must not leak their start.
+"""Stop strings that span tokens must not leak their start.
 
 `StopStrings` fed any split of a text ends it where a search of the whole text does, and
 holds back exactly the text that could still begin a stop string; through the gateway

@@ -1,4 +1,4 @@
-"""Issue 29, finding 3 (and finding 5's error shape): the request validators, property-tested.
+"""The request validators, property-tested: a bad body is a 4xx naming its field.
 
 Random JSON bodies, sent through the gateway's FastAPI app in process (SmolLM2's tokenizer and
 chat template; an engine that refuses what `LLMEngine.validate` refuses and answers two
