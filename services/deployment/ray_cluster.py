@@ -343,15 +343,14 @@ class Cluster:
 def actor_options(config: ClusterConfig, pool: str) -> dict:
     """Ray options of a `pool` member: no CPU reservation (actors set their own torch
     threads), a GPU under `use_gpu`, never restarted (a restarted member would come back
-    with a new address; the pool places a new one instead), and its pool's resource when
-    the cluster declares it (a cluster without them places members anywhere)."""
-    import ray
-
-    opts = {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
-            "max_concurrency": 8}
-    if pool_resource(pool) in ray.cluster_resources():
-        opts["resources"] = {pool_resource(pool): 1}
-    return opts
+    with a new address; the pool places a new one instead), and always one unit of its
+    pool's resource. Asking only when the cluster already declares it would race: a
+    gateway that reaches `deploy()` before the worker pods join would place members on
+    itself, on the head or in another pool's group. A member waits (`pending`) until a
+    node offering the resource joins; every cluster splitstack starts declares them
+    (`init_ray`, the chart's worker groups)."""
+    return {"num_cpus": 0, "num_gpus": 1 if config.use_gpu else 0, "max_restarts": 0,
+            "max_concurrency": 8, "resources": {pool_resource(pool): 1}}
 
 
 def place_pool(config: ClusterConfig, name: str):
