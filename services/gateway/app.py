@@ -17,6 +17,7 @@ from services.gateway.admin import install as install_admin
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.gateway import Gateway
+from services.gateway.http_metrics import install as install_http_metrics
 from services.gateway.limits import HttpLimits, off_loop
 from services.gateway.limits import install as install_limits
 from services.gateway.openapi import document
@@ -63,6 +64,7 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
         install_rate_limits(app, rate_limits)
     if api_key:
         app.add_middleware(RequireAPIKey, key=api_key)
+    install_http_metrics(app)   # outermost: counts every response, refusals included
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):

@@ -26,6 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from services.gateway.drain import DrainingServer
+from services.gateway.http_metrics import UNPARSED
 from services.gateway.limits import HttpLimits
 from services.gateway.protocol import APIError
 
@@ -64,7 +65,9 @@ def _raw_response(status: int, reason: str, error: APIError, retry_after: int | 
 class GuardedH11Protocol(H11Protocol):
     def __init__(self, config, server_state, app_state, _loop=None, *, limits: HttpLimits,
                  clients: ClientConnections, refused):
-        """`refused(reason)`: counts a refusal (`splitstack_http_refusals_total`)."""
+        """`refused(reason, code)`: counts a refusal (`splitstack_http_refusals_total`) and,
+        when `code` is not None, the response this protocol wrote for it
+        (`splitstack_http_requests_total`: no ASGI middleware saw it)."""
         super().__init__(config, server_state, app_state, _loop)
         self.limits, self.clients, self.refused = limits, clients, refused
         self.address: str | None = None          # the client address, once counted
@@ -75,7 +78,7 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_made(transport)
         address = self.client[0] if self.client else "unknown"
         if not self.clients.add(address):
-            self.refused("too_many_connections")
+            self.refused("too_many_connections", 429)
             error = APIError(429, f"too many open connections from {address} (at most "
                                   f"{self.clients.cap})", code="too_many_connections")
             transport.write(_raw_response(429, "Too Many Requests", error, retry_after=1))
@@ -112,8 +115,10 @@ class GuardedH11Protocol(H11Protocol):
         self.header_timer = None
         if self.transport.is_closing():
             return
-        self.refused("header_timeout")
-        if self.conn.their_state is h11.IDLE:       # else: still sending a refused body
+        # not idle: still sending a refused body, whose response was written and counted
+        answer = self.conn.their_state is h11.IDLE
+        self.refused("header_timeout", 408 if answer else None)
+        if answer:
             error = APIError(408, f"the request headers did not arrive within "
                                   f"{self.limits.header_timeout_s:g} s", code="request_timeout")
             self.transport.write(_raw_response(408, "Request Timeout", error, None))
@@ -125,9 +130,16 @@ def server_config(app, host: str, port: int, limits: HttpLimits,
     """uvicorn's config for `app` (built by `build_app` with `limits`) behind the guarded
     protocol."""
     refusals = app.state.limit_metrics.refusals
+    responses = app.state.gateway.metrics.http_requests
+
+    def refused(reason: str, code: int | None) -> None:
+        refusals.labels(reason).inc()
+        if code is not None:
+            responses.labels(UNPARSED, str(code)).inc()
+
     protocol = functools.partial(GuardedH11Protocol, limits=limits,
                                  clients=ClientConnections(limits.max_connections_per_client),
-                                 refused=lambda reason: refusals.labels(reason).inc())
+                                 refused=refused)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           timeout_keep_alive=limits.keep_alive_s,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES)

@@ -8,33 +8,94 @@ meaning: docs/metrics.md.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from dataclasses import dataclass
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.utils import floatToGoString
+
+# One bucket set per histogram, as vLLM has: a GPU's first token and token gaps take
+# milliseconds, a whole request up to hours. Each objective (`Objectives`) is added as a
+# boundary, so the share of requests within it is read exactly from its bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0,
+                640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+               0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+                   30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
+@dataclass(frozen=True)
+class Objectives:
+    """The service-level objectives, exported on /metrics so that the alerts and dashboards
+    of each deployment read its own (deploy/prometheus/rules/): `ttft_s` and `itl_s` as
+    `splitstack_slo_objective_seconds{slo, le}` (`le` spelt as the histogram's bucket
+    label, so a rule selects the bucket with `and ignoring (slo)`), the share of requests
+    (tokens, for ITL) that must meet them and `availability` (the share of API requests
+    answered without a 5xx) as `splitstack_slo_target_ratio{slo}`."""
+    ttft_s: float = 2.0
+    ttft_target: float = 0.95
+    itl_s: float = 0.2
+    itl_target: float = 0.95
+    availability: float = 0.999
+
+    def __post_init__(self):
+        for name in ("ttft_s", "itl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("ttft_target", "itl_target", "availability"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)!r}")
+
+
+def with_boundary(buckets: tuple[float, ...], bound: float) -> tuple[float, ...]:
+    return tuple(sorted(set(buckets) | {float(bound)}))
+
+
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 objectives: Objectives = Objectives()):
         self.registry = registry or CollectorRegistry()
+        self.objectives = objectives
         r = self.registry
 
-        def seconds(name: str, doc: str) -> Histogram:
-            return Histogram(f"splitstack_{name}_seconds", doc, registry=r,
-                             buckets=LATENCY_BUCKETS)
+        def seconds(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"splitstack_{name}_seconds", doc, registry=r, buckets=buckets)
 
         self.ttft = seconds("time_to_first_token", "Time from request arrival to its first "
-                                                   "token")
+                                                   "token",
+                            with_boundary(TTFT_BUCKETS, objectives.ttft_s))
         self.itl = seconds("inter_token_latency", "Time between consecutive tokens of a "
-                                                  "request")
-        self.e2e = seconds("e2e_request_latency", "Time from request arrival to its last token")
+                                                  "request",
+                           with_boundary(ITL_BUCKETS, objectives.itl_s))
+        self.e2e = seconds("e2e_request_latency", "Time from request arrival to its last token",
+                           REQUEST_BUCKETS)
         self.queue_time = seconds("request_queue_time", "Time a request waited in the "
                                                         "engine's queue before its first "
-                                                        "scheduling")
+                                                        "scheduling", TTFT_BUCKETS)
         self.prefill_time = seconds("request_prefill_time", "Time from a request's first "
-                                                            "scheduling to its first token")
+                                                            "scheduling to its first token",
+                                    TTFT_BUCKETS)
         self.decode_time = seconds("request_decode_time", "Time from a request's first token "
-                                                          "to its last")
+                                                          "to its last", REQUEST_BUCKETS)
+        objective = Gauge("splitstack_slo_objective_seconds", "Latency objective: the bucket "
+                          "boundary (le) a request or token must be within", ["slo", "le"],
+                          registry=r)
+        for slo, bound in (("time_to_first_token", objectives.ttft_s),
+                           ("inter_token_latency", objectives.itl_s)):
+            objective.labels(slo, floatToGoString(bound)).set(bound)
+        target = Gauge("splitstack_slo_target_ratio", "Share of requests (tokens, for "
+                       "inter_token_latency) that must meet each objective", ["slo"],
+                       registry=r)
+        for slo, share in (("time_to_first_token", objectives.ttft_target),
+                           ("inter_token_latency", objectives.itl_target),
+                           ("availability", objectives.availability)):
+            target.labels(slo).set(share)
+        self.http_requests = Counter("splitstack_http_requests", "HTTP responses by route "
+                                     "and status code, refusals included", ["route", "code"],
+                                     registry=r)
         self.requests = Counter("splitstack_requests_total", "Finished requests", ["status"],
                                 registry=r)
         self.finished = Counter("splitstack_requests_finished_total", "Finished requests by "
