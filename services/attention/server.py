@@ -4,7 +4,9 @@ The engine is the one `LLMEngine` with a Q-First runner (`services.attention.run
 Contract: one thread (the step loop) is the only code that touches the engine. A gRPC
 `Generate` call submits its request to that thread, gets it acknowledged or refused, then
 relays one event per token. When the call ends early (the client cancelled or went away)
-its request is aborted and its KV freed at the next step boundary.
+its request is aborted and its KV freed at the next step boundary. When the engine fails
+stop (`services.engine.driver`), every call ends UNAVAILABLE, as if the process had been
+killed, so the gateway migrates the requests; `Health` answers UNAVAILABLE from then on.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import asks_for_prefill, params_from_proto, prompt_logprob_fields
+from services.common.faults import NO_FAULTS, FaultPlan
 from services.common.grpc_security import INSECURE, GrpcSecurity
+from services.common.messages import EngineDeadError
 from services.engine.driver import QueueDriver
 from services.engine import LLMEngine, RequestError, StepOutput
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
@@ -31,8 +35,8 @@ log = logging.getLogger(__name__)
 class StepLoop(QueueDriver):
     """Drives the attention service's engine; gRPC handler threads submit and abort."""
 
-    def __init__(self, engine: LLMEngine):
-        super().__init__(engine, "attention-steps")
+    def __init__(self, engine: LLMEngine, faults: FaultPlan = NO_FAULTS, on_dead=None):
+        super().__init__(engine, "attention-steps", faults, on_dead)
 
 
 def _refusal(exc: Exception) -> pb.GenerateEvent:
@@ -83,6 +87,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
         except (RequestError, SamplingError, PrefillRefused) as exc:
             yield _refusal(exc)
             return
+        except EngineDeadError as exc:       # the gateway tries another service
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {exc}")
         except PrefillCancelled:
             return
         except PrefillFailed as exc:
@@ -93,6 +99,8 @@ class AttentionServicer(pb_grpc.AttentionServicer):
         yield pb.GenerateEvent(seq_id=seq_id)
         while True:
             out: StepOutput = sub.events.get()
+            if isinstance(out, EngineDeadError):   # like a killed service: the gateway
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {out}")  # migrates
             yield pb.GenerateEvent(seq_id=seq_id, has_token=out.token is not None,
                                    token=out.token or 0, logprob=out.logprob or 0.0,
                                    finished=out.finished, finish_reason=out.finish_reason or "",
@@ -119,8 +127,9 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                  draining=sigterm.draining())
 
     def Health(self, request, context):
-        if not self.loop.thread.is_alive():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the step loop has stopped")
+        if not self.loop.alive:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the step loop has stopped: "
+                          f"{self.loop.dead}")
         return pb.Empty()
 
     def UpdatePeers(self, request, context):
@@ -151,12 +160,15 @@ class AttentionServicer(pb_grpc.AttentionServicer):
 def serve_attention(engine: LLMEngine, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
                     max_workers: int = 64, prefill: PrefillClient | None = None,
-                    registry=None, security: GrpcSecurity = INSECURE):
+                    registry=None, security: GrpcSecurity = INSECURE,
+                    faults: FaultPlan = NO_FAULTS, on_dead=None):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
     Each in-flight request holds one handler thread, so `max_workers` caps concurrency.
     `registry`: metrics of this process that `Stats` exports (the in-process pool's).
-    `security`: the token calls must carry, and TLS."""
-    loop = StepLoop(engine)
+    `security`: the token calls must carry, and TLS. `faults`: injected `engine_step`
+    faults; `on_dead`: called once the engine failed stop (its requests' calls have ended
+    UNAVAILABLE, so the gateway migrates them; a Ray member then exits)."""
+    loop = StepLoop(engine, faults, on_dead)
     server = security.server(max_workers)
     pb_grpc.add_AttentionServicer_to_server(
         AttentionServicer(loop, name, transport, prefill, registry), server)

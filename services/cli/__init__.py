@@ -128,9 +128,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(embedded engine, {serve.prefill_mode} prefill"
           f"{', prefix cache' if serve.prefix_cache else ''})", file=sys.stderr, flush=True)
-    serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level,
-               serve.drain_timeout)
-    return 0
+    return serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level,
+                      serve.drain_timeout)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

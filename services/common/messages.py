@@ -22,6 +22,11 @@ class RequestError(ValueError):
         self.field, self.value = field_name, value
 
 
+class EngineDeadError(RuntimeError):
+    """The engine stopped stepping (vLLM's `EngineDeadError`): every request it held has
+    failed, and it takes no more. Its process exits so the orchestrator restarts it."""
+
+
 def check_prompt_ids(prompt_ids: list[int], vocab_size: int, field_name: str = "prompt") -> None:
     """A prompt every engine can run: at least one token, each an id of the vocabulary
     (an id outside it would index past the embedding table)."""

@@ -60,3 +60,20 @@ def _exit_after(timeout_s: float, name: str) -> None:
     time.sleep(timeout_s)
     log.warning("%s: still running %.0f s after SIGTERM; exiting", name, timeout_s)
     os._exit(0)
+
+
+# a member that failed stop answers its callers' errors, then exits this much later
+FAIL_STOP_EXIT_S = 2.0
+
+
+def exit_soon(name: str, why: str, delay_s: float = FAIL_STOP_EXIT_S, code: int = 1) -> None:
+    """Fail stop for a pool member's process: exit with `code` after `delay_s` (on a thread,
+    so the caller returns and in-flight calls get their error first). Ray then reports the
+    actor dead and the pool manager places a replacement."""
+    log.critical("%s: %s; exiting in %.0f s", name, why, delay_s)
+
+    def _exit() -> None:
+        time.sleep(delay_s)
+        os._exit(code)
+
+    threading.Thread(target=_exit, daemon=True, name="fail-stop-exit").start()

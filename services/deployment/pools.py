@@ -10,6 +10,8 @@ with its desired count a few times a second:
 Joining: a ready pool or prefill replica is handed to every ready attention service
 (`Attention.UpdatePeers`, applied between two steps); a ready attention service gets the
 current peers first, then the gateway routes new requests to it (`set_addresses`).
+Lost: a ready member whose `Stats` go unanswered `LOST_AFTER_POLLS` times in a row (it
+failed stop and exited, or its process died) leaves routing and is replaced at once.
 Leaving (a smaller desired count, or SIGTERM to the member's process, which its `Stats`
 report; see `services.common.sigterm`: then a replacement is placed as well): the member
 leaves routing first, then finishes its work, and only then is its actor killed:
@@ -96,6 +98,7 @@ class Member:
     address: str = ""
     load: dict = field(default_factory=dict)
     since: float = field(default_factory=time.monotonic)     # when it entered `state`
+    unanswered: int = 0                 # load polls in a row that got no answer
 
     def enter(self, state: str) -> None:
         self.state, self.since = state, time.monotonic()
@@ -118,6 +121,9 @@ class PoolManager:
     # just before the change may not have reached it yet
     LEAVE_GRACE_S = 0.5
     RETRY_AFTER_FAILURE_S = 5.0
+    # a ready member whose load polls (one a second) go unanswered this many times in a
+    # row is taken for dead and replaced
+    LOST_AFTER_POLLS = 3
 
     def __init__(self, placement: Placement, routing: Routing,
                  members: dict[str, list[Member]], max_replicas: int = 8,
@@ -400,8 +406,12 @@ class PoolManager:
     def _poll_load(self, m: Member) -> bool:
         try:
             load = self.placement.stats(m.pool, m.address)
-        except OSError:
+        except OSError as err:
+            m.unanswered += 1
+            if m.state == "ready" and m.unanswered >= self.LOST_AFTER_POLLS:
+                self._lost(m, err)
             return False
+        m.unanswered = 0
         if m.pool == "attention":
             load["in_flight"] = self.routing.in_flight(m.address)
         told_to_leave = load.pop("draining", False)
@@ -412,6 +422,17 @@ class PoolManager:
                 log.warning("pool %s: %s got SIGTERM: draining it, placing a replacement",
                             m.pool, m.name)
         return True
+
+    def _lost(self, m: Member, err: OSError) -> None:
+        """A ready member that stopped answering (it failed stop, or its process died):
+        out of routing and gone; `_resize` places its replacement on the next tick. Its
+        callers have moved on already (an attention service's requests migrated, a pool
+        or prefill replica's calls were retried elsewhere)."""
+        log.error("pool %s: %s stopped answering (%s); replacing it", m.pool, m.name, err)
+        with self._lock:     # shown in the view; dated so that the replacement is not held
+            self.failure[m.pool] = (time.monotonic() - self.RETRY_AFTER_FAILURE_S,
+                                    f"{m.name} stopped answering: {err}")
+        self._remove(m)
 
     def _remove(self, m: Member) -> None:
         self.placement.kill(m.handle)

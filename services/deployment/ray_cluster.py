@@ -19,8 +19,10 @@ and prefill replica; the gRPC stream carries only metadata and the logits).
 
 `local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
 `nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
-service's requests migrate to another (`services.gateway.cluster_backend`). SIGTERM to a
-member's process drains it (`services.common.sigterm`).
+service's requests migrate to another (`services.gateway.cluster_backend`). A member that
+fails stop (its engine cannot step, an injected fault: `services.common.faults`) ends its
+calls UNAVAILABLE, which its callers treat as its death, and exits; the pool manager places
+a replacement. SIGTERM to a member's process drains it (`services.common.sigterm`).
 
 Ray stays on loopback when `RAY_ENV` is in the environment of the process that starts it
 (ENVIRONMENT.md); never `ray stop` — `shutdown()` ends only what this driver started.
@@ -32,9 +34,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.faults import ENV as FAULTS_ENV
+from services.common.faults import FaultPlan
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.process import tune_process
-from services.common.sigterm import drain_on_sigterm
+from services.common.sigterm import drain_on_sigterm, exit_soon
 from services.deployment.build import EngineOptions
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
@@ -77,6 +81,9 @@ class ClusterConfig:
     security: GrpcSecurity = INSECURE
     # a member process that got SIGTERM exits by itself after this, if not stopped before
     drain_timeout_s: float = 30.0
+    # injected faults for every member (`services.common.faults`; entries scoped
+    # `@member-name` reach only that member): the gateway's SPLITSTACK_FAULT_INJECT
+    fault_inject: str = field(default_factory=lambda: os.environ.get(FAULTS_ENV, ""))
 
     def __post_init__(self):
         if self.transport not in TRANSPORT_NAMES:
@@ -94,6 +101,7 @@ class ClusterConfig:
         if not self.prefill_replicas and (p.ridgefill or p.prefix_cache_bytes is not None):
             raise ValueError("RidgeFill maps and the prefix cache live in the prefill "
                              "service: give it at least one replica (--prefill-replicas)")
+        FaultPlan.parse(self.fault_inject)          # a malformed entry: refused here
         if self.transport == "nccl" and not self.use_gpu:
             raise ValueError("--transport nccl moves tensors between GPU actors; it needs "
                              "--gpu (one CUDA device per actor)")
@@ -147,7 +155,7 @@ class PoolReplica:
     def __init__(self, model_dir: str, name: str, dtype: str = "float32", threads: int = 1,
                  host: str = "127.0.0.1", use_gpu: bool = False,
                  security: GrpcSecurity = INSECURE, drain_timeout_s: float = 30.0,
-                 quantization: str | None = None):
+                 quantization: str | None = None, fault_inject: str = ""):
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
@@ -162,7 +170,9 @@ class PoolReplica:
 
             self.nccl = NcclEndpoint()
         self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl,
-                                        security=security)
+                                        security=security,
+                                        faults=FaultPlan.parse(fault_inject, name),
+                                        on_dead=lambda why: exit_soon(name, why))
         self.addr = _advertised(bound)
 
     def address(self) -> str:
@@ -207,9 +217,10 @@ class PrefillReplica:
             from services.common.nccl_transport import NcclEndpoint
 
             self.nccl = NcclEndpoint()
-        self.server, bound, self.loop = serve_prefill(self.engine, service, registry,
-                                                      f"{c.host}:0", name, nccl=self.nccl,
-                                                      security=c.security)
+        self.server, bound, self.loop = serve_prefill(
+            self.engine, service, registry, f"{c.host}:0", name, nccl=self.nccl,
+            security=c.security, faults=FaultPlan.parse(c.fault_inject, name),
+            on_dead=lambda dead: exit_soon(name, str(dead)))
         self.addr = _advertised(bound)
         self.name = name
 
@@ -297,7 +308,9 @@ class AttentionReplica:
                                     security=c.security)
         self.server, bound, self.loop = serve_attention(
             self.engine, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
-            registry=registry, security=c.security)
+            registry=registry, security=c.security,
+            faults=FaultPlan.parse(c.fault_inject, name),
+            on_dead=lambda dead: exit_soon(name, str(dead)))
         self.addr = _advertised(bound)
         self.name = name
 
@@ -359,7 +372,7 @@ def place_pool(config: ClusterConfig, name: str):
 
     return ray.remote(**actor_options(config, "mlp"))(PoolReplica).remote(
         config.model, name, config.dtype, config.threads, config.host, config.use_gpu,
-        config.security, config.drain_timeout_s, config.quantization)
+        config.security, config.drain_timeout_s, config.quantization, config.fault_inject)
 
 
 def place_prefill(config: ClusterConfig, name: str):

@@ -7,6 +7,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from models import load_model
+from services.common.faults import FaultPlan
 from services.common.tokenizer import default_temperature, load_tokenizer
 from services.deployment.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
@@ -36,7 +37,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
         use_cache_dir()
     registry = CollectorRegistry()
     engine, service = build_engine(model, model_dir, options, registry)
-    gateway = Gateway(EngineBackend(engine), load_tokenizer(model_dir),
+    backend = EngineBackend(engine, FaultPlan.from_env())     # read once, at start
+    gateway = Gateway(backend, load_tokenizer(model_dir),
                       served_name or model_dir.name, engine.max_model_len,
                       default_temperature(model_dir), prefill_service=service,
                       metrics=GatewayMetrics(registry))

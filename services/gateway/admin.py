@@ -5,7 +5,8 @@
     PUT /admin/pools/{pool} {"replicas": N}   202: the pool's new count; members are placed
                                           or drained in the background (poll GET)
     GET /ready                            200 while serving; 503 while draining (SIGTERM) or
-                                          when no engine serves (`/health` is liveness)
+                                          when no engine serves or the engine is dead
+                                          (`/health` is liveness)
 
 The admin routes need the API key when one is set (`RequireAPIKey`). The composition root
 hands in what changes the pools as `app.state.pools` (a `PoolControl`: the Ray deployment's
@@ -84,6 +85,8 @@ async def ready(request: Request):
     drain: Drain = request.app.state.drain
     if drain.draining:
         status = "draining"
+    elif request.app.state.gateway.backend.dead_since() is not None:
+        status = "engine dead"
     elif not request.app.state.gateway.backend.healthy():
         status = "no engine is serving"
     else:

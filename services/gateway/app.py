@@ -86,9 +86,11 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
 
     @app.get("/health")
     async def health():
-        alive = gateway.backend.healthy()
-        return JSONResponse({"status": "ok" if alive else "no engine is serving"},
-                            status_code=200 if alive else 503)
+        """Liveness: 503 only once the process's own engine failed stop (it exits soon);
+        a gateway whose attention services are all down is alive, and not ready."""
+        dead = gateway.backend.dead_since() is not None
+        return JSONResponse({"status": "engine dead" if dead else "ok"},
+                            status_code=503 if dead else 200)
 
     @app.get("/metrics")
     async def metrics():

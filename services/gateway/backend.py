@@ -3,7 +3,9 @@
 Contract: the engine thread is the only code that touches the engine. Callers `submit` a
 request (validated on the engine thread, so a bad one raises in the caller and costs
 nothing) and iterate its `StepOutput`s; `abort` frees the request's KV at the next step
-boundary. A failed step fails only the requests in it (see `LLMEngine.step`).
+boundary. A failed step fails only the requests in it (see `LLMEngine.step`); an engine
+that cannot step fails every request it holds and reports dead (`StepDriver`, fail stop):
+`/health` and `/ready` then answer 503, and `splitstack serve` exits non-zero.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import asyncio
 import threading
 from dataclasses import dataclass, field
 
+from services.common.faults import NO_FAULTS, FaultPlan
 from services.engine.driver import StepDriver
 from services.engine import GenerationParams, LLMEngine, StepOutput
 from services.gateway.client import EngineClient
@@ -29,21 +32,24 @@ class _Submit:
 
 
 class EngineBackend(StepDriver, EngineClient):
-    def __init__(self, engine: LLMEngine):
-        super().__init__(engine, "engine")
+    def __init__(self, engine: LLMEngine, faults: FaultPlan = NO_FAULTS):
+        super().__init__(engine, "engine", faults)
 
     # ---- caller side (any thread / event loop) ----------------------------------
     async def submit(self, prompt_ids: list[int], params: GenerationParams) -> tuple[int, asyncio.Queue]:
         sub = _Submit(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue(),
                       threading.Event())
-        self.commands.put(("add", sub))
-        await asyncio.get_running_loop().run_in_executor(None, sub.done.wait)
+        self._put(("add", sub))
+        await asyncio.get_running_loop().run_in_executor(None, self._wait, sub.done)
         if sub.error is not None:
             raise sub.error
         return sub.seq_id, sub.out
 
     def healthy(self) -> bool:
-        return self.thread.is_alive()
+        return self.alive
+
+    def dead_since(self) -> float | None:
+        return self.dead_at
 
     def kv_usage(self) -> float:
         return self.engine.blocks.usage

@@ -27,7 +27,13 @@ class EngineClient(ABC):
 
     @abstractmethod
     def healthy(self) -> bool:
-        """Whether a request submitted now can be served (for `/health`)."""
+        """Whether a request submitted now can be served (readiness: `/ready`)."""
+
+    def dead_since(self) -> float | None:
+        """When (monotonic) the engine behind this client failed stop, None while it lives
+        (liveness: `/health`). A gateway in front of attention services never dies of
+        theirs: each fails stop on its own and its requests migrate."""
+        return None
 
     @abstractmethod
     def kv_usage(self) -> float:

@@ -7,12 +7,15 @@ those in flight finish, then exits (Kubernetes' `preStop` and
                 ──► uvicorn's shutdown (stops listening, closes idle connections) ──► exit 0
 
 `/health` (liveness) stays 200 while draining. A second SIGTERM, or SIGINT, is uvicorn's own
-shutdown at once.
+shutdown at once. An engine that failed stop (`services.engine.driver`) shuts the server
+down too, and `splitstack serve` exits non-zero (`EXIT_ENGINE_DEAD`), so Kubernetes restarts
+it.
 """
 from __future__ import annotations
 
 import signal
 import time
+from typing import Callable
 
 import uvicorn
 
@@ -21,6 +24,9 @@ from services.gateway.protocol import APIError
 
 # what uvicorn waits for tasks after the drain (a stream past `timeout_s` is then cut)
 SHUTDOWN_GRACE_S = 2.0
+# from the engine's death to the shutdown: its failed requests' errors go out meanwhile
+DEAD_GRACE_S = 5.0
+EXIT_ENGINE_DEAD = 3
 
 
 class Drain:
@@ -69,11 +75,15 @@ class RefuseWhileDraining:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn whose first SIGTERM drains (`Drain`) before its graceful shutdown, bounded by
-    `timeout_s`; the process then exits 0."""
+    `timeout_s`; the process then exits 0. When `dead_since()` (the engine's fail stop)
+    turns non-None, it shuts down `DEAD_GRACE_S` later, enough for every failed request's
+    error to reach its client, and `engine_died` tells the caller to exit non-zero."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float):
+    def __init__(self, config: uvicorn.Config, drain: Drain, timeout_s: float,
+                 dead_since: Callable[[], float | None] = lambda: None):
         super().__init__(config)
-        self.drain, self.timeout_s = drain, timeout_s
+        self.drain, self.timeout_s, self.dead_since = drain, timeout_s, dead_since
+        self.engine_died = False
         config.timeout_graceful_shutdown = SHUTDOWN_GRACE_S
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -85,4 +95,7 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain.done(self.timeout_s):
             self.should_exit = True
+        died = self.dead_since()
+        if died is not None and time.monotonic() - died >= DEAD_GRACE_S:
+            self.engine_died = self.should_exit = True
         return await super().on_tick(counter)

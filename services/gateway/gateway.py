@@ -19,7 +19,7 @@ from services.gateway.logprobs import TokenLogprob, TokenText
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
 from services.gateway.stops import StopStrings
-from services.common.messages import RemotePrefill
+from services.common.messages import EngineDeadError, RemotePrefill
 
 
 class Gateway:
@@ -138,6 +138,9 @@ class Gateway:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
             raise APIError(400, str(exc), exc.field) from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), type_="service_unavailable",
+                           code="engine_dead") from exc
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.running.inc()
         detok = IncrementalDetokenizer(self.tokenizer, skip_special)

@@ -25,7 +25,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.gateway.drain import DrainingServer
+from services.gateway.drain import EXIT_ENGINE_DEAD, DrainingServer
 from services.gateway.http_metrics import UNPARSED
 from services.gateway.limits import HttpLimits
 from services.gateway.protocol import APIError
@@ -146,7 +146,12 @@ def server_config(app, host: str, port: int, limits: HttpLimits,
 
 
 def serve(app, host: str, port: int, limits: HttpLimits, log_level: str = "info",
-          drain_timeout_s: float = 30.0) -> None:
-    """Until SIGTERM, then drains (`services.gateway.drain`) for at most `drain_timeout_s`."""
+          drain_timeout_s: float = 30.0) -> int:
+    """Until SIGTERM, then drains (`services.gateway.drain`) for at most `drain_timeout_s`;
+    or until the engine failed stop. Returns the process's exit status: 0, or
+    `EXIT_ENGINE_DEAD`."""
     config = server_config(app, host, port, limits, log_level)
-    DrainingServer(config, app.state.drain, drain_timeout_s).run()
+    server = DrainingServer(config, app.state.drain, drain_timeout_s,
+                            dead_since=app.state.gateway.backend.dead_since)
+    server.run()
+    return EXIT_ENGINE_DEAD if server.engine_died else 0

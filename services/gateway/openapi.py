@@ -114,9 +114,11 @@ def declare(schema: dict) -> None:
             "content": {"text/plain": _TEXT}}
     status = {"schema": {"type": "object", "required": ["status"],
                          "properties": {"status": {"type": "string"}}}}
-    for path, up, down in (("/health", "An engine is serving", "No engine is serving"),
+    for path, up, down in (("/health", "Alive (liveness)",
+                            "The engine failed stop; the process exits"),
                            ("/ready", "Serving and not draining",
-                            "Draining (SIGTERM), or no engine is serving")):
+                            "Draining (SIGTERM), the engine failed stop, or no engine is "
+                            "serving")):
         if path in paths:
             responses = paths[path]["get"]["responses"]
             responses["200"] = {"description": up, "content": {"application/json": status}}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -11,6 +13,7 @@ from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, history_from, processing_from, to_proto
+from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.mlp_pool.pool import MLPPool
 
@@ -27,11 +30,24 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     """`nccl`: a `NcclEndpoint`; requests naming an `nccl_peer` get their tensors'
     bytes over that peer's link, and the reply's go back the same way."""
 
-    def __init__(self, pool: MLPPool, nccl=None, registry=None):
+    def __init__(self, pool: MLPPool, nccl=None, registry=None, faults: FaultPlan = NO_FAULTS,
+                 on_dead: Callable[[str], None] | None = None):
+        """`faults`: an injected `pool_call` fault makes this replica fail stop: every
+        stream ends UNAVAILABLE (the attention services retry on another replica), later
+        ones too, and `on_dead(why)` runs once (a Ray member exits)."""
         self.pool, self.nccl, self.registry = pool, nccl, registry
         self.clients = 0          # open `Calls` streams (a drained replica has none)
         self.calls = 0            # calls being computed
+        self.dead: str | None = None
+        self._fault = faults.point("pool_call")
+        self.on_dead = on_dead
         self._lock = threading.Lock()
+
+    def _die(self, why: str) -> None:
+        with self._lock:
+            first, self.dead = self.dead is None, self.dead or why
+        if first and self.on_dead is not None:
+            self.on_dead(why)
 
     def _count(self, name: str, delta: int) -> None:
         with self._lock:
@@ -72,6 +88,13 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
         self._count("clients", 1)
         try:
             for req in request_iterator:
+                try:
+                    self._fault.hit()
+                except InjectedFault as exc:
+                    self._die(str(exc))
+                if self.dead is not None:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"pool replica {self.pool.name} "
+                                  f"failed stop: {self.dead}")
                 self._count("calls", 1)
                 try:
                     reply = self._run(req)
@@ -84,6 +107,8 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
             self._count("clients", -1)
 
     def Health(self, request, context):
+        if self.dead is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"failed stop: {self.dead}")
         return pb.Empty()
 
     def Stats(self, request, context):
@@ -93,14 +118,15 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
 
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,
-               nccl=None, batching: bool = True, security: GrpcSecurity = INSECURE):
+               nccl=None, batching: bool = True, security: GrpcSecurity = INSECURE,
+               faults: FaultPlan = NO_FAULTS, on_dead: Callable[[str], None] | None = None):
     """Start a gRPC server for `pool`; returns (server, bound address).
 
     Each client's stream holds one handler thread, so `max_workers` caps the cache-side
     clients. `batching`: concurrent calls from different clients run as one forward
     (`BatchingPool`, which also records stage latency and batch size, served by `Stats`).
     `nccl`: the replica's `NcclEndpoint`, for the nccl transport. `security`: the token
-    calls must carry, and TLS."""
+    calls must carry, and TLS. `faults`, `on_dead`: see `PoolServicer`."""
     from services.mlp_pool.batcher import BatchingPool
     from services.mlp_pool.metrics import PoolMetrics
 
@@ -108,7 +134,8 @@ def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 6
                                                    ("grpc.max_receive_message_length", 512 << 20)])
     registry = CollectorRegistry()
     runner = BatchingPool(pool, metrics=PoolMetrics(registry)) if batching else pool
-    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl, registry), server)
+    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl, registry, faults, on_dead),
+                                          server)
     port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"

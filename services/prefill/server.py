@@ -40,6 +40,8 @@ from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, to_proto
+from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
+from services.common.messages import EngineDeadError
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.engine.driver import QueueDriver
 from services.engine import GenerationParams, LLMEngine, PromptExport
@@ -145,8 +147,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     TRANSFER_TTL_S = 120.0
 
     def __init__(self, loop: QueueDriver, name: str, service: PrefillService | None = None,
-                 registry=None, nccl=None):
+                 registry=None, nccl=None, faults: FaultPlan = NO_FAULTS):
+        """`faults`: an injected `prefill` fault kills the replica's engine (fail stop: its
+        calls end UNAVAILABLE and the attention services retry on another replica)."""
         self.loop, self.name, self.service, self.nccl = loop, name, service, nccl
+        self._fault = faults.point("prefill")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
         self.prefills = 0
@@ -184,16 +189,24 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"prefill replica {self.name} "
                           "has no NCCL links (start it under --transport nccl)")
         try:
+            self._fault.hit()
+        except InjectedFault as exc:
+            self.loop.kill(exc)
+        try:
             params = prefill_params(request.options, len(ids), self.service)
             sub = self.loop.submit(ids, params)
         except ValueError as exc:       # RequestError, PrefillRefused, FillError, ...
             yield pb.PrefillEvent(ack=pb.PrefillAck(
                 refused=True, error=str(exc), error_field=getattr(exc, "field", None) or ""))
             return
+        except EngineDeadError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill replica {self.name}: {exc}")
         seq_id = sub.seq_id
         context.add_callback(lambda: self.loop.abort(seq_id))   # no-op once finished
         yield pb.PrefillEvent(ack=pb.PrefillAck(num_tokens=len(ids)))
         out = sub.events.get()          # one output: the first token, with the export
+        if isinstance(out, EngineDeadError):
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill replica {self.name}: {out}")
         if out.export is None:
             if out.finish_reason != "abort":
                 context.abort(grpc.StatusCode.INTERNAL, out.error or "the prefill failed")
@@ -245,8 +258,9 @@ class PrefillServicer(pb_grpc.PrefillServicer):
                                draining=sigterm.draining())
 
     def Health(self, request, context):
-        if not self.loop.thread.is_alive():
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the step loop has stopped")
+        if not self.loop.alive:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the step loop has stopped: "
+                          f"{self.loop.dead}")
         return pb.Empty()
 
 
@@ -262,15 +276,17 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 
 def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
                   address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64,
-                  nccl=None, security: GrpcSecurity = INSECURE):
+                  nccl=None, security: GrpcSecurity = INSECURE, faults: FaultPlan = NO_FAULTS,
+                  on_dead=None):
     """Start the engine's step loop and a gRPC server for it (and for its prefix cache, if
     it has one); returns (server, bound address, loop). Each call in flight holds one
     handler thread. `nccl`: the replica's `NcclEndpoint`, for the nccl transport.
-    `security`: the token calls must carry, and TLS."""
-    loop = QueueDriver(engine, f"{name}-steps")
+    `security`: the token calls must carry, and TLS. `faults`: injected `engine_step` and
+    `prefill` faults; `on_dead`: called once its engine failed stop (a Ray member exits)."""
+    loop = QueueDriver(engine, f"{name}-steps", faults, on_dead)
     server = security.server(max_workers, options=GRPC_OPTIONS)
-    pb_grpc.add_PrefillServicer_to_server(PrefillServicer(loop, name, service, registry, nccl),
-                                          server)
+    pb_grpc.add_PrefillServicer_to_server(
+        PrefillServicer(loop, name, service, registry, nccl, faults), server)
     if engine.prefix is not None:
         pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
                                                   server)
