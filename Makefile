@@ -123,9 +123,9 @@ test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 bench: setup
-	$(PY) bench/engine_vs_hf.py
+	$(PY) -m bench.serving.engine_vs_hf
 
-## bench-peers: the engines bench/peers.py compares against, in .peers/ (ignored): llama.cpp
+## bench-peers: the engines bench/peers/run.py compares against, in .peers/ (ignored): llama.cpp
 ## from llama-cpp-python's PyPI sdist (compiled for this CPU, ~15 min on 2 cores) with its
 ## server, and F32 / BF16 GGUFs of models/zoo/smollm2-135m made by the sdist's own converter
 PEERS      := .peers

@@ -72,11 +72,11 @@ step gpu_tests 300 $PY -m pytest -q -p no:cacheprovider -rs -m gpu tests/unit te
 step gpu_tests_triton_engine 180 env SPLITSTACK_GDN_KERNEL=triton SPLITSTACK_REPLAY_GRAPHS=1 SPLITSTACK_DECODE_GRAPHS=1 $PY -m pytest -q -p no:cacheprovider -rs tests/unit/test_gpu_paths.py
 
 # Tail-Replay: 16K with r = 5% (acceptance: a hit >= 8x faster than full prefill), and 32K
-step tailreplay_ttft 300 $PY bench/tailreplay_ttft.py --device cuda --prefixes 16384,32768 --ratios 0.05 --reps 3 --redis-url '' --gdn-kernel triton --replay-graphs --device-cache-bytes 8589934592
+step tailreplay_ttft 300 $PY -m bench.tail_replay.ttft --device cuda --prefixes 16384,32768 --ratios 0.05 --reps 3 --redis-url '' --gdn-kernel triton --replay-graphs --device-cache-bytes 8589934592
 # the same at 16K on the torch kernels, no graphs, no device tier: the baseline
-step tailreplay_ttft_baseline 180 $PY bench/tailreplay_ttft.py --device cuda --prefixes 16384 --ratios 0.05 --reps 3 --redis-url '' --gdn-kernel torch
+step tailreplay_ttft_baseline 180 $PY -m bench.tail_replay.ttft --device cuda --prefixes 16384 --ratios 0.05 --reps 3 --redis-url '' --gdn-kernel torch
 # RidgeFill: the hybrid at 8K and 16K (acceptance: >= 85% of the bound)
-step ridgefill_ttft 300 $PY bench/ridgefill_ttft.py --device cuda --families qwen3_5 --lengths 8192,16384 --reps 5 --gdn-kernel triton
+step ridgefill_ttft 300 $PY -m bench.ridgefill.ttft --device cuda --families qwen3_5 --lengths 8192,16384 --reps 5 --gdn-kernel triton
 
 {
   echo "== headline rows"

@@ -1,11 +1,12 @@
 """Paired runs of one benchmark on two revisions: is a change within noise, or faster?
 
-    python bench/revisions.py --base REV [--runs 5] \
-        --metric 'NAME=REGEX' [--metric ...] [--lower-is-better NAME,...] -- BENCH ARGS...
+    python -m bench.revisions --base REV [--runs 5] \
+        --metric 'NAME=REGEX' [--metric ...] [--lower-is-better NAME,...] -- -m BENCH ARGS...
 
 Checks REV out as a git worktree beside this tree (the model zoo and the generated proto
-stubs linked in, not copied), then runs `python BENCH ARGS` alternately in the base and in
-this tree, `--runs` pairs, the first of each pair alternating too, so a load drifting on
+stubs linked in, not copied), then runs `python -m BENCH ARGS` in each tree's root (a
+revision older than the bench package takes `-- bench/SCRIPT.py ARGS`), alternately in
+the base and in this tree, `--runs` pairs, the first of each pair alternating too, so a load drifting on
 the machine hits both alike. Each `--metric` regex's first group is read from a run's
 output (the last match). Prints every pair, and per metric the median of the per-pair
 ratios this tree / base; lower-is-better metrics (times) print base / this tree instead,
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
 LINKED = ["services/common/pb/splitstack_pb2.py", "services/common/pb/splitstack_pb2_grpc.py"]
 
 

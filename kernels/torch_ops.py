@@ -6,7 +6,7 @@ the graph and the kernel.
 cache key includes torch's version and paths) and loaded with `torch.ops.load_library`; the
 kernels themselves stay in their C files, loaded by ctypes, whose addresses it is given
 (`bind`). At batch 1 the Python custom ops these replace spent more time in their own bodies
-than in the kernels (`bench/decode_compile.py`). bf16 products go to oneDNN's packed product
+than in the kernels (`bench/serving/decode_compile.py`). bf16 products go to oneDNN's packed product
 through the dispatcher, as `models.layers.project` does.
 
 - `weight_table(entries)`: register a step's weights (`WeightEntry`: the native int8 copy,

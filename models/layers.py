@@ -48,7 +48,7 @@ def _packed_single_row(weight: torch.Tensor) -> torch.Tensor:
 
     A one-row `x @ Wᵀ` against an LM head that does not fit in cache runs as a single-core
     GEMV, about half memory bandwidth; the packed product streams it on every core (1.9x on
-    a 67 MB head, 2 cores; bench/linear_products.py)."""
+    a 67 MB head, 2 cores; bench/serving/linear_products.py)."""
     return _cached(weight, "_splitstack_packed",
                    lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, 1))
 
@@ -56,7 +56,7 @@ def _packed_single_row(weight: torch.Tensor) -> torch.Tensor:
 def _packed_bf16(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of a bf16 `weight`: every row count runs faster on it than on
     the plain layout (1.5-2x for 1-16 rows, 1.1-1.3x for a 512-row prompt; exact, the same
-    sums; bench/linear_products.py)."""
+    sums; bench/serving/linear_products.py)."""
     return _cached(weight, "_splitstack_onednn",
                    lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 1))
 
@@ -70,7 +70,7 @@ INT8_ATTR = "_splitstack_int8"      # (version, Int8Weight), as `_cached` keeps 
 def mark_int8(weight: torch.Tensor, *, prompts: bool = False) -> None:
     """Let the decode-sized products of `weight` run on its int8 copy (`int8_copy`): up to
     INT8_NATIVE_MAX_ROWS rows on the native VNNI kernel, INT8_MAX_ROWS on torch's product,
-    where each beats bf16 (`bench/decode_compile.py --product-rows`). Larger products (prompts)
+    where each beats bf16 (`bench/serving/decode_compile.py --product-rows`). Larger products (prompts)
     keep the weight itself. `prompts`: every product (what `splitstack eval --quantization
     int8` scores)."""
     setattr(weight, QUANT_ATTR, math.inf if prompts else -1)
@@ -184,12 +184,12 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     times activations quantized per row and 32-column group, as llama.cpp's Q8_0 path),
     elsewhere torch's weight-only product (`aten._weight_int8pack_mm`, activations in the
     weight's dtype). Larger products keep the weight itself, where int8 loses
-    (`bench/decode_compile.py --product-rows`).
+    (`bench/serving/decode_compile.py --product-rows`).
 
     bf16 (the CPU serving dtype): oneDNN's product on a packed copy of the weight, any row
     count. fp32 with MKL: for a handful of rows `x @ Wᵀ` runs well below memory bandwidth,
     while the same product as `W @ xᵀ` streams W row-major: 1.6-3x faster at 8 rows
-    (measured per shape by bench/linear_products.py). One row (a batch-1 decode step) is a
+    (measured per shape by bench/serving/linear_products.py). One row (a batch-1 decode step) is a
     GEMV: plain `F.linear`, or the packed product for an fp32 weight bigger than the caches
     (the LM head). Larger batches, other devices and recorded gradients keep F.linear. This
     runs for every projection of a decode step, so the checks are ordered cheapest first.

@@ -116,7 +116,7 @@ def consolidate(packs: list[Packed]) -> list[Packed]:
     """The same weights copied into one buffer on huge pages, in the given order (the order
     a decode step reads them), each 4 KB-aligned. A product then streams its weight without
     a TLB miss and a restarted hardware prefetch at every 4 KB page
-    (`bench/decode_compile.py --product-rows`: "int8 native" against "int8 native apart")."""
+    (`bench/serving/decode_compile.py --product-rows`: "int8 native" against "int8 native apart")."""
     align = 4096
     sizes = [-(-p.data.numel() // align) * align for p in packs]
     buf = _huge_page_buffer(max(sum(sizes), 1))

@@ -2,7 +2,7 @@
 batch bucket.
 
 At batch 1 the eager decode step spends about half its time outside the weight products,
-dispatching its ~730 ops from Python (bench/decode_compile.py). Here the decode step of a dense
+dispatching its ~730 ops from Python (bench/serving/decode_compile.py). Here the decode step of a dense
 full-attention model (the Llama and Qwen3 families: no Gated DeltaNet, no experts, standard
 wiring) is one graph for inductor's CPU backend: the norms, rotary, output gates, SiLU and
 residual adds between the products fuse into a few C++ kernels. Two things stay opaque

@@ -3,7 +3,7 @@
 A filled row in upper layer l costs the map x̂_l = A_l x_S + b_l, the layer's input norm
 and its K/V projections (attention) or Gated DeltaNet input projections; nothing else of
 the layer runs for it. That work is approximate from the start: x̂_l carries the map's
-error (20-45% of the key norm on SmolLM2-135M, bench/ridgefill_map_probes.py), against a
+error (20-45% of the key norm on SmolLM2-135M, bench/ridgefill/map_probes.py), against a
 bf16 rounding of 0.4%. So it may run in a lower precision than the exact rows:
 
     exact rows (tail, selected)    every layer in the model's dtype
@@ -12,7 +12,7 @@ bf16 rounding of 0.4%. So it may run in a lower precision than the exact rows:
                                    Gated DeltaNet state sweep (which stays fp32)
 
 On a CPU with bf16 products (AVX512-BF16 / AMX) those GEMMs run about 4x faster than fp32
-(bench/ridgefill_ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's
+(bench/ridgefill/ttft.py --fill-dtypes model,bfloat16). `dtype=None` keeps the model's
 dtype: every call is then the model's own stage call, unchanged.
 
 Only the submodules a filled row runs are copied (FILLED_ATTN_MODULES, FILLED_GDN_MODULES):

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.soak import ROOT, ServeProcess, rss_mb
+from bench.common import ROOT, ServeProcess, rss_mb
 from tests.helpers.gateway import ZOO
 from tests.helpers.raw_http import read_response
 

@@ -24,7 +24,7 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.soak import ServeProcess
+from bench.common import ServeProcess
 from services.common.tokenizer import load_tokenizer
 from services.deployment.build import EngineOptions
 from services.deployment.ray_cluster import ClusterConfig

@@ -1,16 +1,17 @@
-"""The CI version of `bench/soak.py`: 60 seconds of traffic in all (5 s of warm-up and 25 s
-measured per deployment) at concurrency 16 against `splitstack serve` with SmolLM2,
-embedded and disaggregated on Ray, each in its own process on loopback. Both must end with
-0 unexpected errors, 0 KV blocks held, RSS outside the KV caches' maps within 10% of after
-warm-up, `/health` fine and
-no secret in the server's log. The 10-minute run's figures are in docs/results/soak.md."""
+"""The CI version of `bench/serving/soak.py`: 60 seconds of traffic in all (5 s of warm-up
+and 25 s measured per deployment) at concurrency 16 against `splitstack serve` with
+SmolLM2, embedded and disaggregated on Ray, each in its own process on loopback. Both
+must end with 0 unexpected errors, 0 KV blocks held, RSS outside the KV caches' maps
+within 10% of after warm-up, `/health` fine and no secret in the server's log. The
+10-minute run's figures are in docs/results/soak.md."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from bench.soak import MODEL, soak
+from bench.common import MODEL
+from bench.serving.soak import soak
 
 pytestmark = pytest.mark.slow
 

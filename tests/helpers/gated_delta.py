@@ -1,5 +1,5 @@
 """Gated delta rule inputs and the token-by-token oracle, for checking a kernel against it
-(the Triton kernel's GPU tests and its interpreter run, `bench/triton_interpret.py`)."""
+(the Triton kernel's GPU tests and its interpreter run, `bench/serving/triton_interpret.py`)."""
 from __future__ import annotations
 
 import torch

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from bench.soak import rss_mb
+from bench.common import rss_mb
 from services.engine.kv_cache import lazy_zeros
 
 

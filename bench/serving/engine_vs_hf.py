@@ -4,7 +4,7 @@ Same random-weight checkpoint (the `bench` qwen3 and qwen3_next configs of
 models/model_configs.json), CPU, fp32, greedy, batch 1 and 8, median of N runs, all in one
 process so both sides see the same machine state. Prints the ratios and a markdown table.
 
-    python bench/engine_vs_hf.py [--repeats 5] [--prompt-len 128] [--new-tokens 32]
+    python -m bench.serving.engine_vs_hf [--repeats 5] [--prompt-len 128] [--new-tokens 32]
 
 Prefill time is the time to the first token of every sequence. HF decode time is
 generate(new_tokens) − generate(1), i.e. the (new_tokens − 1) cached steps.
@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import load_model  # noqa: E402
-from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
-from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
+from models import load_model
+from models.random_checkpoint import load_configs, save_random_checkpoint
+from services.engine import EngineConfig, GenerationParams, LLMEngine
 
 
 def time_hf(hf, ids: torch.Tensor, new_tokens: int) -> tuple[float, float]:

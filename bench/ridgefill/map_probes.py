@@ -27,24 +27,21 @@ tail rows; the first 4 rows (sinks) are left out, as in calibration. Maps are fi
 corpus's calibration split, errors summed over held-out documents:
 Σ‖k̂ − k‖² / Σ‖k − k̄‖² (and the same for v).
 
-    python bench/ridgefill_map_probes.py --model models/zoo/smollm2-135m --split 15 \\
+    python -m bench.ridgefill.map_probes --model models/zoo/smollm2-135m --split 15 \\
         [--fit-docs 30 --held-docs 10 --lam 1e-2 --threads 2] [--inputs 18,20,23,26,29]
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evals.corpus import documents  # noqa: E402
-from models import load_model  # noqa: E402
-from services.common.tokenizer import load_tokenizer  # noqa: E402
-from services.prefill.capture import exact_pass  # noqa: E402
-from services.prefill.maps import context_features  # noqa: E402
+from evals.corpus import documents
+from models import load_model
+from services.common.tokenizer import load_tokenizer
+from services.prefill.capture import exact_pass
+from services.prefill.maps import context_features
 
 SINK, LENGTH, TAIL = 4, 1024, 256
 

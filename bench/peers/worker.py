@@ -1,9 +1,9 @@
-"""One engine of bench/peers.py, kept in its own process: reads JSON requests on stdin, runs
-each, answers one JSON line on stdout. Run by bench/peers.py, not by hand.
+"""One engine of bench/peers/run.py, kept in its own process: reads JSON requests on stdin, runs
+each, answers one JSON line on stdout. Run by bench/peers/run.py, not by hand.
 
-    python bench/peer_worker.py splitstack MODEL_DIR float32|bfloat16 [int8] [compile]
-    python bench/peer_worker.py hf MODEL_DIR float32|bfloat16
-    python bench/peer_worker.py llama.cpp MODEL.gguf THREADS       (the .peers venv's python)
+    python -m bench.peers.worker splitstack MODEL_DIR float32|bfloat16 [int8] [compile]
+    python -m bench.peers.worker hf MODEL_DIR float32|bfloat16
+    python -m bench.peers.worker llama.cpp MODEL.gguf THREADS       (the .peers venv's python)
 
 Requests: {"op": "generate", "prompts": [[ids]...], "new_tokens": N} -> {"first": seconds to
 every sequence's first token, "total": seconds to the last, "tokens": [[ids]...]}, greedy.
@@ -15,9 +15,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Splitstack:
@@ -26,7 +23,6 @@ class Splitstack:
 
     def __init__(self, model_dir: str, dtype: str, *modes: str):
         import torch
-        sys.path.insert(0, str(ROOT))
         from models import load_model
         from services.engine import EngineConfig, GenerationParams, LLMEngine
         torch.set_num_threads(int(os.environ.get("PEERS_THREADS", "2")))

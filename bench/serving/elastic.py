@@ -18,7 +18,7 @@ Printed per round and as the median of `--rounds`:
   during a scale event (from the PUT to 2 s after the pool settled) against the rest
   (steady state), measured by the client.
 
-    python bench/elastic.py [--rounds 5] [--streams 8] [--max-tokens 48]
+    python -m bench.serving.elastic [--rounds 5] [--streams 8] [--max-tokens 48]
                             [--model models/zoo/smollm2-135m] [--out FILE.json]
 """
 from __future__ import annotations
@@ -35,9 +35,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.soak import MODEL, ServeProcess  # noqa: E402
-from services.deployment.autoscale import quantile_between  # noqa: E402
+from bench.common import MODEL, ServeProcess
+from services.deployment.autoscale import quantile_between
 
 POOLS = ("mlp", "prefill", "attention")
 SETTLE_MARGIN_S = 2.0

@@ -2,7 +2,7 @@
 the asked value and every needle's value (exact arm, greedy), and a count of misses that
 copy a distractor's value.
 
-    python bench/retrieval_misses.py --model models/zoo/smollm2-135m [--task multikey]
+    python -m bench.quality.retrieval_misses --model models/zoo/smollm2-135m [--task multikey]
                                      [--length 2048] [--n-items 12] [--threads 2]
 """
 from __future__ import annotations
@@ -10,18 +10,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evals import arms as arms_mod  # noqa: E402
-from evals.corpus import documents  # noqa: E402
-from evals.run import haystack_text  # noqa: E402
-from evals.tasks import make_items  # noqa: E402
-from models import load_model  # noqa: E402
-from services.common.tokenizer import load_tokenizer  # noqa: E402
+from evals import arms as arms_mod
+from evals.corpus import documents
+from evals.run import haystack_text
+from evals.tasks import make_items
+from models import load_model
+from services.common.tokenizer import load_tokenizer
 
 
 def main() -> int:

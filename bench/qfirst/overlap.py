@@ -1,6 +1,6 @@
 """Q-first vs standard wiring: per-token decode latency with the MLP pool in another process.
 
-    python bench/qfirst_overlap.py [--model DIR] [--contexts 1024,8192,32768] [--batches 1,8]
+    python -m bench.qfirst.overlap [--model DIR] [--contexts 1024,8192,32768] [--batches 1,8]
                                    [--transports local,grpc,nccl] [--steps 7] [--warmup 2]
                                    [--engine-threads 2] [--out bench/results/qfirst_overlap.json]
 
@@ -42,7 +42,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -50,15 +49,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.qfirst_probes import (Clock, PoolProcess, TimedPool, TimedShard,  # noqa: E402
+from bench.qfirst.probes import (Clock, PoolProcess, TimedPool, TimedShard,
                                  TimedTransport, available_bytes, fill_random, kv_bytes,
                                  wiring_checkpoint)
-from models import load_model  # noqa: E402
-from services.attention.runner import qfirst_engine  # noqa: E402
-from services.common.transport import make_transport  # noqa: E402
-from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
+from models import load_model
+from services.attention.runner import qfirst_engine
+from services.common.transport import make_transport
+from services.engine import EngineConfig, GenerationParams, LLMEngine
 
 BLOCK = 16
 GiB = 1 << 30

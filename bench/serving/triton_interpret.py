@@ -1,7 +1,7 @@
 """The Triton delta-rule kernels run by Triton's interpreter on the CPU, against the oracle.
 
     pip install triton          # into the venv; not part of `make setup` (about 1 GB)
-    python bench/triton_interpret.py
+    python -m bench.serving.triton_interpret
 
 A check of the kernels' algorithm and indexing (padding, grouped heads, head sizes that are
 not powers of two, initial state, wanted rows, state-only sweeps) without a GPU; what only
@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"          # before Triton is imported
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from kernels.gated_delta import triton_chunked  # noqa: E402
-from tests.helpers.gated_delta import inputs, oracle, rel  # noqa: E402
+from kernels.gated_delta import triton_chunked
+from tests.helpers.gated_delta import inputs, oracle, rel
 
 
 def main() -> int:

@@ -4,8 +4,8 @@ eager step against `--compile` (decode steps as `torch.compile`d graphs,
 both, interleaved, median of N; and the step's weight products alone in bf16 and int8 (the
 floor each mode streams at).
 
-    .venv/bin/python bench/decode_compile.py [--batch 1 8] [--repeats 5] [--steps 32]
-    .venv/bin/python bench/decode_compile.py --batch --product-rows 1,2,4,6,8,16
+    .venv/bin/python -m bench.serving.decode_compile [--batch 1 8] [--repeats 5] [--steps 32]
+    .venv/bin/python -m bench.serving.decode_compile --batch --product-rows 1,2,4,6,8,16
 
 `--product-rows`: the step's products alone at each row count, bf16 against int8 forced at
 every row count, on the native VNNI kernel (`kernels/linear/cpu_int8.c`, where the CPU has
@@ -21,19 +21,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import load_model  # noqa: E402
-from models import layers  # noqa: E402
-from models import model as model_module  # noqa: E402
-from models.layers import project  # noqa: E402
-from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
+from models import load_model
+from models import layers
+from models import model as model_module
+from models.layers import project
+from services.engine import EngineConfig, GenerationParams, LLMEngine
 
 PROMPT = 200
 MODES = {"engine": (None, False), "--compile": (None, True), "int8": ("int8", False),

@@ -1,12 +1,12 @@
 """splitstack vs HF transformers vs llama.cpp on the same checkpoint, CPU, side by side.
 
-Every engine runs in its own worker process (bench/peer_worker.py), loaded once; the rounds
+Every engine runs in its own worker process (bench/peers/worker.py), loaded once; the rounds
 interleave the engines, so each sees the same machine state, and the figures are medians
 over the rounds. Same workload everywhere: token-id prompts (seeded), greedy, no EOS stop.
 
     make bench-peers                   # once: llama.cpp + its F32/BF16 GGUFs into .peers/
-    python bench/peers.py [--repeats 5] [--threads 2] [--engines ...]
-    python bench/peers.py --served [--concurrency 1,4,16]   # HTTP servers, loadtest
+    python -m bench.peers.run [--repeats 5] [--threads 2] [--engines ...]
+    python -m bench.peers.run --served [--concurrency 1,4,16]   # HTTP servers, loadtest
 
 Offline columns (tok/s): prefill of one --prompt-len prompt (time to its first token);
 decode at batch 1 and 8 (--new-tokens each after a --decode-prompt-len prompt, time from
@@ -26,14 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.soak import tree_rss_mb  # noqa: E402
-from kernels.native import cpu_flags  # noqa: E402
+from bench.common import MODEL, ROOT, tree_rss_mb
+from kernels.native import cpu_flags
 
 PEERS = ROOT / ".peers"
-MODEL = ROOT / "models/zoo/smollm2-135m"
 ENGINES = {   # name -> (python, worker args)
     "splitstack fp32": (sys.executable, ["splitstack", str(MODEL), "float32"]),
     "splitstack bf16": (sys.executable, ["splitstack", str(MODEL), "bfloat16"]),
@@ -59,7 +55,7 @@ class Worker:
             args = [*args, str(threads)]
         env = dict(os.environ, PEERS_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
         self.name = name
-        self.proc = subprocess.Popen([python, str(ROOT / "bench/peer_worker.py"), *args],
+        self.proc = subprocess.Popen([python, "-m", "bench.peers.worker", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env, cwd=ROOT)
         self._read()

@@ -21,7 +21,7 @@ and for each item the script records:
                     heads) on filled rows and on the needle's rows; printed as the mean over
                     layers and at the layer where exact puts the most mass on the needle
 
-    python bench/ridgefill_selection.py --model models/zoo/smollm2-135m --maps MAPS \\
+    python -m bench.ridgefill.selection --model models/zoo/smollm2-135m --maps MAPS \\
         --split 15 --lengths 2048,4096 --families passkey,niah_single_2 --n-items 4 \\
         [--variant probe] [--variant name:lexical=0.1,budget=0.1] [--threads 2]
 
@@ -30,7 +30,7 @@ the two before them, in the pass key's first or second statement) the lexical ne
 keeps exact, per family and length, under each of its orders (`shared`: the seed's; `bm25`) and shares of the prefix
 (seconds for hundreds of items):
 
-    python bench/ridgefill_selection.py --model models/zoo/smollm2-135m --net-only \\
+    python -m bench.ridgefill.selection --model models/zoo/smollm2-135m --net-only \\
         --lengths 1024,2048,4096,8192 --n-items 12 --seed 1
 
 Nothing is asserted; the figures say which ranking dropped the needle.
@@ -40,25 +40,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evals.heldout.families import FAMILIES, make_family_items  # noqa: E402
-from evals.ridgefill_arms import greedy_from_prefill  # noqa: E402
-from models import load_model  # noqa: E402
-from models.config import FULL_ATTENTION  # noqa: E402
-from services.common.tokenizer import load_tokenizer  # noqa: E402
-from services.prefill import selectors  # noqa: E402
-from services.prefill.lexicon import Lexicon  # noqa: E402
-from services.prefill.maps import RidgeMaps  # noqa: E402
-from services.prefill.ridgefill import RidgeFill  # noqa: E402
-from services.prefill.settings import FillSettings  # noqa: E402
+from evals.heldout.families import FAMILIES, make_family_items
+from evals.ridgefill_arms import greedy_from_prefill
+from models import load_model
+from models.config import FULL_ATTENTION
+from services.common.tokenizer import load_tokenizer
+from services.prefill import selectors
+from services.prefill.lexicon import Lexicon
+from services.prefill.maps import RidgeMaps
+from services.prefill.ridgefill import RidgeFill
+from services.prefill.settings import FillSettings
 
 
 class TracedFill(RidgeFill):

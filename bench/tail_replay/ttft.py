@@ -1,6 +1,6 @@
 """Tail-Replay TTFT: a prefix-cache hit vs a full prefill, measured in one run.
 
-    python bench/tailreplay_ttft.py [--prefixes 2048,8192,16384] [--suffix 128]
+    python -m bench.tail_replay.ttft [--prefixes 2048,8192,16384] [--suffix 128]
                                     [--ratios 0.05,0.1] [--reps 5] [--threads 2]
                                     [--redis-url redis://127.0.0.1:6379/0 | --redis-url '']
                                     [--device cuda [--device-cache-bytes N]
@@ -44,14 +44,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from models import load_model  # noqa: E402
-from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
-from services.common.process import flush_denormals  # noqa: E402
-from services.engine import EngineConfig, GenerationParams, LLMEngine  # noqa: E402
-from services.prefix_cache import (PrefixCache, PrefixCacheConfig,  # noqa: E402
+from models import load_model
+from models.random_checkpoint import load_configs, save_random_checkpoint
+from services.common.process import flush_denormals
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.prefix_cache import (PrefixCache, PrefixCacheConfig,
                                    PrefixCacheMetrics)
 
 ONE = GenerationParams(max_tokens=1, ignore_eos=True)

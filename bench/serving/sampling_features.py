@@ -7,7 +7,7 @@ fp32, CPU), arms alternated, median of N paired ratios against the plain request
     decode     G tokens after a short prompt; + logprobs=20 (top 20 per token), + penalties
                (repetition, frequency, presence and a logit bias), + min_tokens = G
 
-    python bench/sampling_features.py [--model models/zoo/smollm2-135m] [--prompt 1024]
+    python -m bench.serving.sampling_features [--model models/zoo/smollm2-135m] [--prompt 1024]
                                       [--generate 64] [--reps 5] [--threads 2]
 """
 from __future__ import annotations
@@ -16,17 +16,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.sampling import SamplingParams  # noqa: E402
-from models import load_model  # noqa: E402
-from services.engine import GenerationParams, LLMEngine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import MODEL
+from kernels.sampling import SamplingParams
+from models import load_model
+from services.engine import GenerationParams, LLMEngine
 
 
 def timed(engine: LLMEngine, prompt: list[int], params: GenerationParams) -> float:
@@ -55,7 +51,7 @@ def compare(engine, prompt, base: GenerationParams, arms: dict, reps: int) -> li
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models" / "zoo" / "smollm2-135m"))
+    ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens of the prefill arm")
     ap.add_argument("--generate", type=int, default=64, help="tokens of the decode arm")
     ap.add_argument("--reps", type=int, default=5)

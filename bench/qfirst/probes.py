@@ -1,7 +1,7 @@
-"""Timing probes and cache filling for `bench/qfirst_overlap.py`.
+"""Timing probes and cache filling for `bench/qfirst/overlap.py`.
 
 The probes subclass or wrap the real components and only add `time.perf_counter()` around
-calls, into a `Clock` the benchmark swaps per wiring. `python bench/qfirst_probes.py DIR`
+calls, into a `Clock` the benchmark swaps per wiring. `python -m bench.qfirst.probes DIR`
 is the pool process: a timed `MLPPool` behind `serve_pool` with one torch thread; it prints
 its address, then answers every line on stdin with its clock (JSON) and starts it over.
 """
@@ -16,13 +16,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from models import load_model  # noqa: E402
-from services.attention.shard import KVShard  # noqa: E402
-from services.common.transport import Pending  # noqa: E402
-from services.mlp_pool import MLPPool  # noqa: E402
+from bench.common import ROOT
+from models import load_model
+from services.attention.shard import KVShard
+from services.common.transport import Pending
+from services.mlp_pool import MLPPool
 
 
 class Clock:
@@ -106,7 +104,8 @@ class PoolProcess:
     """The pool in a child process (this file as a script); `take()` returns its clock."""
 
     def __init__(self, model_dir: str):
-        self.proc = subprocess.Popen([sys.executable, __file__, model_dir], cwd=ROOT,
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.qfirst.probes", model_dir],
+                                     cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.address = self.proc.stdout.readline().strip()
         if not self.address:

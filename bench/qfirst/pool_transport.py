@@ -1,6 +1,6 @@
 """Per-stage cost of the pool transports: one decode step's pool calls, local vs gRPC.
 
-    python bench/pool_transport.py [--model DIR] [--batch 1,8] [--repeats 5]
+    python -m bench.qfirst.pool_transport [--model DIR] [--batch 1,8] [--repeats 5]
 
 Runs the Q-First stage calls of one decode step (L stages + final) for `batch` rows through
 an in-process pool (`local`) and through a gRPC pool server on loopback (`grpc`, one
@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kernels.sampling import SamplingParams  # noqa: E402
-from models import load_model  # noqa: E402
-from services.common.transport import make_transport  # noqa: E402
-from services.mlp_pool import MLPPool  # noqa: E402
-from services.mlp_pool.grpc_server import serve_pool  # noqa: E402
+from kernels.sampling import SamplingParams
+from models import load_model
+from services.common.transport import make_transport
+from services.mlp_pool import MLPPool
+from services.mlp_pool.grpc_server import serve_pool
 
 
 def one_step(transport, model, batch: int) -> float:

@@ -14,7 +14,7 @@ keeps freed memory and flushes subnormal floats to zero as the serving processes
 Maps are calibrated first on a few random-token documents (their values do not matter for
 time, only their shapes). Also prints the map memory.
 
-    python bench/ridgefill_ttft.py [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
+    python -m bench.ridgefill.ttft [--families qwen3,qwen3_5] [--lengths 2048,4096,8192,16384]
                                    [--tail 512] [--reps 5] [--context-rows 0]
                                    [--selector none --budget 0.1] [--fill-dtypes model,bfloat16]
                                    [--device cuda --dtype bfloat16 --gdn-kernel triton]
@@ -41,14 +41,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models import load_model  # noqa: E402
-from models.random_checkpoint import load_configs, save_random_checkpoint  # noqa: E402
-from services.common.process import flush_denormals, keep_freed_memory  # noqa: E402
-from tools.calibration import CalibConfig, calibrate  # noqa: E402
-from services.prefill.settings import FillSettings  # noqa: E402
-from services.prefill.service import PrefillConfig, PrefillService  # noqa: E402
+from models import load_model
+from models.random_checkpoint import load_configs, save_random_checkpoint
+from services.common.process import flush_denormals, keep_freed_memory
+from tools.calibration import CalibConfig, calibrate
+from services.prefill.settings import FillSettings
+from services.prefill.service import PrefillConfig, PrefillService
 
 
 def timed(fn) -> float:

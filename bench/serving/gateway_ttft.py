@@ -19,7 +19,7 @@ second deployment without a prefill replica adds the arm
 
 (both deployments up at once, their requests alternated within each repetition).
 
-    python bench/gateway_ttft.py [--model models/zoo/smollm2-135m] [--prefix-tokens 1500]
+    python -m bench.serving.gateway_ttft [--model models/zoo/smollm2-135m] [--prefix-tokens 1500]
                                  [--reps 5] [--maps DIR --split 15] [--cluster]
 """
 from __future__ import annotations
@@ -29,18 +29,15 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
-from pathlib import Path
 
 import httpx
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from evals.corpus import documents  # noqa: E402
-from services.deployment.server import build_embedded  # noqa: E402
-from services.prefill.service import PrefillConfig  # noqa: E402
-from tests.e2e.conftest import running  # noqa: E402
+from bench.common import MODEL
+from evals.corpus import documents
+from services.deployment.server import build_embedded
+from services.prefill.service import PrefillConfig
+from tests.e2e.conftest import running
 
 
 def ttft(base: str, model: str, prompt: str, **extra) -> float:
@@ -63,7 +60,7 @@ def counter(base: str, name: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "models/zoo/smollm2-135m"))
+    ap.add_argument("--model", default=str(MODEL))
     ap.add_argument("--prefix-tokens", type=int, default=1500)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--maps", help="RidgeFill maps directory (adds the `ridge` arm)")

@@ -2,7 +2,7 @@
 `W @ xᵀ`, or MKL's packed GEMM, per row count and weight shape (the `bench` qwen3 config's
 projections and LM head). Median of N timed loops, all in one process.
 
-    python bench/linear_products.py [--rows 1,8] [--threads 2] [--repeats 9]
+    python -m bench.serving.linear_products [--rows 1,8] [--threads 2] [--repeats 9]
 
 `models.layers.project` takes `W @ xᵀ` for 2..64 rows, and for one row `F.linear`, or the
 packed product when the weight is bigger than the caches (`PACK_MIN_BYTES`).
@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from models.layers import project  # noqa: E402
+from models.layers import project
 
 SHAPES = [(512, 512, "q / o"), (512, 256, "k / v"), (512, 1536, "gate / up"),
           (1536, 512, "down"), (512, 32768, "LM head")]

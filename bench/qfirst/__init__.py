@@ -1,0 +1,1 @@
+"""Q-First wiring: decode latency with the MLP pool in another process, and the pool transports."""

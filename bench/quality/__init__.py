@@ -1,0 +1,1 @@
+"""What a model gets wrong on the quality harness's retrieval items."""

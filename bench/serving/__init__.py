@@ -1,0 +1,1 @@
+"""The serving path: engine and gateway speed, decode modes, soak and elastic pools."""

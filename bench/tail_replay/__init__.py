@@ -1,0 +1,1 @@
+"""Tail-Replay: a prefix-cache hit against a full prefill."""
