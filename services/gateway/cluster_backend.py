@@ -25,6 +25,7 @@ from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.engine import GenerationParams, RequestError, StepOutput
 from services.gateway.client import EngineClient
+from services.gateway.metrics import PolledCounter
 from services.gateway.protocol import APIError
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,10 @@ class ClusterBackend(EngineClient):
                     ("up", "1 while the attention service answers, else 0"),
                     ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard"),
                     ("requests_running", "Requests decoding on the attention service"),
-                    ("requests_waiting", "Requests waiting for KV on the attention service"),
+                    ("requests_waiting", "Requests waiting for KV on the attention service"))}
+            self.retries = {
+                name: PolledCounter(f"splitstack_attention_{name}", doc, ["service"], registry)
+                for name, doc in (
                     ("pool_retries", "Pool calls the attention service retried elsewhere"),
                     ("prefill_retries", "Prefill calls made again on another prefill "
                                         "replica"))}
@@ -384,10 +388,10 @@ class ClusterBackend(EngineClient):
             for address, st in polled.items():
                 for name, value in (("kv_cache_usage_ratio", st.kv_usage),
                                     ("requests_running", st.running),
-                                    ("requests_waiting", st.waiting),
-                                    ("pool_retries", st.pool_retries),
-                                    ("prefill_retries", st.prefill_retries)):
+                                    ("requests_waiting", st.waiting)):
                     self.gauges[name].labels(address).set(value)
+                self.retries["pool_retries"].set((address,), st.pool_retries)
+                self.retries["prefill_retries"].set((address,), st.prefill_retries)
         for ep in self.endpoints:           # an in-process pool's metrics (--transport local)
             st = polled.get(ep.address)
             if st is not None and st.metrics:

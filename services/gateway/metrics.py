@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.utils import floatToGoString
 
 # One bucket set per histogram, as vLLM has: a GPU's first token and token gaps take
@@ -118,3 +119,22 @@ class GatewayMetrics:
         """Count one request under its outcome (a finish reason)."""
         self.requests.labels(outcome).inc()
         self.finished.labels(outcome).inc()
+
+
+class PolledCounter:
+    """A counter another process keeps (since it started), exported at its last polled
+    value as a counter (`<name>_total`), so that `rate()` over it is right."""
+
+    def __init__(self, name: str, doc: str, labels: list[str], registry: CollectorRegistry):
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def set(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = value
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for labels, value in sorted(self.values.items()):
+            family.add_metric(labels, value)
+        yield family
