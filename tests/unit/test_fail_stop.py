@@ -151,3 +151,9 @@ def test_embedded_backend_fails_streams_with_an_error_output_and_reports_dead(en
 
     with pytest.raises(EngineDeadError):
         asyncio.run(again())
+
+
+def test_the_suite_has_a_per_test_timeout(pytestconfig):
+    """pytest-timeout is configured (pyproject), so a hung test fails instead of CI."""
+    assert pytestconfig.pluginmanager.hasplugin("timeout")
+    assert 0 < float(pytestconfig.getini("timeout")) <= 900
