@@ -28,6 +28,7 @@ class Handle:
         self.address = f"{name}:1"
         self.load = {"calls": 0, "clients": 0}
         self.fail = False
+        self.dead = False          # its process is gone: Stats go unanswered
 
 
 class ScriptedPlacement:
@@ -49,6 +50,8 @@ class ScriptedPlacement:
 
     def stats(self, pool, address):
         h = next(h for h in self.handles.values() if h.address == address)
+        if h.dead:
+            raise OSError(f"{address}: UNAVAILABLE")
         return dict(h.load)
 
     def update_peers(self, address, mlp, prefill):
@@ -135,6 +138,47 @@ def test_leaving_members_drain_before_they_are_killed(pools):
     placement.handles["pool-2"].load = {"calls": 0, "clients": 0}
     until(lambda: "pool-2" in placement.killed)
     assert states(manager, "mlp") == {"pool-0": "ready"}
+
+
+@pytest.mark.parametrize("pool, name, address", [("mlp", "pool-0", "pool-0:1"),
+                                                  ("attention", "attention-0", "attention-0:1")])
+def test_a_ready_member_that_stops_answering_is_replaced(pools, pool, name, address):
+    """A member that failed stop (or whose process died) leaves routing and is killed
+    after LOST_AFTER_POLLS unanswered load polls, and a replacement is placed; the
+    desired count does not change."""
+    manager, placement, routing = pools
+    manager.LOAD_EVERY_S = 0.01
+    placement.handles[name].dead = True
+    successor = f"{name.rsplit('-', 1)[0]}-1"
+    until(lambda: name in placement.killed and successor in placement.handles)
+    assert manager.view()["data"][("attention", "mlp", "prefill").index(pool)]["replicas"] == 1
+    assert name not in states(manager, pool) and states(manager, pool)[successor] == "pending"
+    assert "stopped answering" in next(p for p in manager.view()["data"]
+                                       if p["pool"] == pool)["last_error"]
+    placement.handles[successor].state = "ready"
+    until(lambda: states(manager, pool) == {successor: "ready"})
+    if pool == "attention":
+        until(lambda: routing.addresses == [f"{successor}:1"])
+    else:
+        until(lambda: placement.peers and placement.peers[-1][1] == [f"{successor}:1"])
+    assert address not in routing.addresses
+
+
+def test_only_unanswered_polls_in_a_row_count(pools):
+    """An answered poll resets the count: a member that misses a poll now and then (a
+    busy host) stays."""
+    manager, placement, routing = pools
+    manager.close()                       # the polls below are the only ones
+    member = manager.members["mlp"][0]
+    h = placement.handles["pool-0"]
+    for dead in [True] * (manager.LOST_AFTER_POLLS - 1) + [False] + \
+            [True] * (manager.LOST_AFTER_POLLS - 1):
+        h.dead = dead
+        assert manager._poll_load(member) is not dead
+    assert placement.killed == [] and member in manager.members["mlp"]
+    h.dead = True
+    manager._poll_load(member)
+    assert placement.killed == ["pool-0"] and manager.members["mlp"] == []
 
 
 def test_scale_down_takes_members_that_never_joined_first(pools):
