@@ -16,6 +16,10 @@ HELM = ROOT / ".tools" / "bin" / "helm"
 CRDS = ROOT / "k8s" / "crds"
 VALUE_SETS = ("values.yaml", "values-cpu.yaml", "values-gpu.yaml", "values-autoscale.yaml")
 RELEASE = "demo"
+# where an operator pushed the image (`image.repository` has no default: nothing public holds it)
+REPOSITORY = "registry.example.com/splitstack"
+# the Prometheus Operator's API: without it the chart renders no ServiceMonitor or PrometheusRule
+MONITORING_API = "monitoring.coreos.com/v1"
 # custom resource kind -> its CRD file in k8s/crds/
 CRD_FILES = {
     "RayCluster": "ray.io_rayclusters.yaml",
@@ -31,14 +35,20 @@ def helm(*args: str) -> subprocess.CompletedProcess:
 
 
 def value_args(value_set: str) -> list[str]:
-    """`-f` for a value set (values.yaml itself is the chart's defaults)."""
-    return [] if value_set == "values.yaml" else ["-f", str(CHART / value_set)]
+    """`-f` for a value set (values.yaml itself is the chart's defaults), and the image's
+    repository, which every install names."""
+    files = [] if value_set == "values.yaml" else ["-f", str(CHART / value_set)]
+    return [*files, "--set", f"image.repository={REPOSITORY}"]
 
 
 @lru_cache(maxsize=None)
-def render(value_set: str, *sets: str) -> tuple[dict, ...]:
-    """`helm template` of the chart with a value set and `--set` overrides, as documents."""
+def render(value_set: str, *sets: str,
+           api_versions: tuple[str, ...] = (MONITORING_API,)) -> tuple[dict, ...]:
+    """`helm template` of the chart with a value set and `--set` overrides, as documents, for
+    a cluster that serves `api_versions` besides the built-in ones (by default one with the
+    Prometheus Operator)."""
     extra = [a for s in sets for a in ("--set", s)]
+    extra += [a for v in api_versions for a in ("--api-versions", v)]
     out = helm("template", RELEASE, str(CHART), *value_args(value_set), *extra)
     if out.returncode:
         raise AssertionError(f"helm template {value_set} {sets}: {out.stderr}")

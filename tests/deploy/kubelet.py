@@ -189,14 +189,16 @@ class Cluster:
         return template
 
     def write_hosts(self) -> None:
-        """Each Service name (short and FQDN) -> the IP of a live pod its selector matches."""
+        """Each Service name (short and FQDN) -> the IP of a live pod its selector matches;
+        a headless Service's name -> every such pod's."""
         lines = ["127.0.0.1 localhost"]
         for name, svc in self.services.items():
             selector = svc["spec"].get("selector", {})
             pods = [p for p in self.pods.values()
                     if not p.stopping and selector.items() <= p.labels.items()]
-            if pods:
-                lines.append(f"{pods[0].ip} {name} {name}.default.svc "
+            headless = svc["spec"].get("clusterIP") == "None"
+            for pod in pods if headless else pods[:1]:
+                lines.append(f"{pod.ip} {name} {name}.default.svc "
                              f"{name}.default.svc.cluster.local")
         self.rewrite_in_place(self.hosts, "\n".join(lines) + "\n")
 

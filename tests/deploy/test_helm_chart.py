@@ -63,7 +63,7 @@ def test_bad_values_are_refused_with_their_error(bad):
     error (it reports the chart's own `fail` checks only as INFO)."""
     schema_error = expected_error(bad).startswith("at '/")
     for command in (["template", RELEASE], ["lint", "--strict"])[:2 if schema_error else 1]:
-        out = helm(*command, str(CHART), "-f", str(bad))
+        out = helm(*command, str(CHART), *value_args("values.yaml"), "-f", str(bad))
         assert out.returncode != 0, f"helm {command[0]} accepted {bad.name}"
         assert expected_error(bad) in out.stdout + out.stderr, out.stdout + out.stderr
 
@@ -180,12 +180,14 @@ def test_the_scale_hook_runs_splitstack_scale_for_each_resizable_pool():
     line = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
     specs = re.search(r"for p in ([^;]+);", line).group(1).split()
     assert specs == ["attention=1", "mlp=3"]       # no prefill replicas: not resizable
-    argv = shlex.split(re.search(r"do (splitstack scale .*?); done", line).group(1)
-                       .replace('"${p%=*}"', "mlp").replace('"${p#*=}"', "3"))
+    argv = shlex.split(re.search(r"until (splitstack scale .*?); do", line).group(1)
+                       .replace('"${p%=*}"', "mlp").replace('"${p#*=}"', "3")
+                       .replace('"$(( end - $(date +%s) ))"', "240")
+                       .replace("$ip", "10.0.0.7"))
     args = build_parser().parse_args(argv[1:])
-    service = find(docs, "Service", "-gateway")
+    gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
     assert (args.pool, args.replicas, args.wait) == ("mlp", 3, True)
-    assert args.url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert args.url == f"http://10.0.0.7:{gateway['ports'][0]['containerPort']}"
     assert find(docs, "ConfigMap", "splitstack-pools")["data"]["mlp"] == "3"
     mlp = find(docs, "RayCluster")["spec"]["workerGroupSpecs"][1]
     assert (mlp["groupName"], mlp["replicas"]) == ("mlp", 3)
@@ -202,7 +204,9 @@ def test_each_worker_group_offers_its_pools_ray_resource(value_set):
     for pool, group in groups.items():
         resources = yaml.safe_load(group["rayStartParams"]["resources"])   # '"{...}"' quoted
         assert yaml.safe_load(resources) == {pool_resource(pool): 1}
-        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        # under autoscaling the Ray autoscaler owns `replicas` (KubeRay starts at minReplicas)
+        replicas = group.get("replicas", group["minReplicas"])
+        assert group["minReplicas"] <= replicas <= group["maxReplicas"]
     head = raycluster["spec"]["headGroupSpec"]["rayStartParams"]
     assert head["num-cpus"] == "0" and "resources" not in head    # no member on the head
 

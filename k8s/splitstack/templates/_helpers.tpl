@@ -22,8 +22,42 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* No public registry holds splitstack's image: the operator builds and pushes it. */}}
 {{- define "splitstack.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{ required "image.repository must be set: no public registry holds splitstack's image. Build it (make image), push it to a registry your nodes pull from, and pass --set image.repository=REGISTRY/splitstack (the chart's README, Build and push)" .Values.image.repository }}:{{ .Values.image.tag }}
+{{- end -}}
+
+{{/* A Kubernetes quantity (2Gi, 1536Mi, 3G, 268435456, 1e9) in bytes, as an integer. */}}
+{{- define "splitstack.bytes" -}}
+{{- $q := toString . }}
+{{- $number := regexFind "^[0-9.]+([eE][+-]?[0-9]+)?" $q }}
+{{- $unit := trimPrefix $number $q }}
+{{- $scale := dict "" 1 "k" 1000 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000
+      "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 }}
+{{- if or (not $number) (not (hasKey $scale $unit)) }}
+{{- fail (printf "%q is not a memory quantity splitstack reads (e.g. 2Gi, 1536Mi, 3G, bytes)" $q) }}
+{{- end }}
+{{- mulf (float64 $number) (index $scale $unit) | int64 }}
+{{- end -}}
+
+{{/* Every pod that starts a Ray node, with its memory limit: (list "what" limit). */}}
+{{- define "splitstack.rayNodes" -}}
+{{- $nodes := list (list "gateway.resources" (dig "limits" "memory" "" .Values.gateway.resources))
+      (list "ray.head.resources" (dig "limits" "memory" "" .Values.ray.head.resources)) }}
+{{- range $name := list "attention" "mlp" "prefill" }}
+{{- $pool := index $.Values.pools $name }}
+{{- if gt (int $pool.maxReplicas) 0 }}
+{{- $nodes = append $nodes (list (printf "pools.%s.resources" $name) (dig "limits" "memory" "" $pool.resources)) }}
+{{- end }}
+{{- end }}
+{{- toJson $nodes }}
+{{- end -}}
+
+{{/* "true" where the cluster serves the Prometheus Operator's API: ServiceMonitor, PodMonitor
+and PrometheusRule objects are refused (and fail the install) anywhere else. `helm template`
+knows no cluster: pass `--api-versions monitoring.coreos.com/v1` to render them. */}}
+{{- define "splitstack.prometheusOperator" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1" }}true{{ end }}
 {{- end -}}
 
 {{/* The Ray head's Service, which KubeRay names after the RayCluster. */}}
@@ -139,6 +173,18 @@ initContainers:
 
 {{/* Checks across values that a JSON schema cannot state. */}}
 {{- define "splitstack.checks" -}}
+{{- $_ := include "splitstack.image" . }}
+{{- /* Ray refuses to start a node whose object store leaves too little of the pod's
+memory ("-0.16 GB available"), and the pod restarts forever */}}
+{{- $store := int64 .Values.ray.objectStoreMemory }}
+{{- range $node := include "splitstack.rayNodes" . | fromJsonArray }}
+{{- $limit := index $node 1 }}
+{{- if $limit }}
+{{- if lt (sub (include "splitstack.bytes" $limit | int64) $store) 1073741824 }}
+{{- fail (printf "%s: a memory limit of %v leaves less than 1 GiB beside ray.objectStoreMemory (%d bytes), and Ray refuses to start that node; raise the limit or lower ray.objectStoreMemory" (index $node 0) $limit $store) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- range $name, $pool := .Values.pools }}
 {{- if or (lt (int $pool.replicas) (int $pool.minReplicas)) (gt (int $pool.replicas) (int $pool.maxReplicas)) }}
 {{- fail (printf "pools.%s.replicas (%d) must lie within minReplicas (%d) and maxReplicas (%d)" $name (int $pool.replicas) (int $pool.minReplicas) (int $pool.maxReplicas)) }}
@@ -155,6 +201,9 @@ initContainers:
 {{- end }}
 {{- if le (float64 .Values.ray.terminationGracePeriodSeconds) (float64 .Values.serve.drainTimeoutSeconds) }}
 {{- fail "ray.terminationGracePeriodSeconds must be more than serve.drainTimeoutSeconds: a worker pod's members drain before it stops" }}
+{{- end }}
+{{- if and .Values.gateway.hpa.enabled (not .Values.autoscaling.enabled) }}
+{{- fail "gateway.hpa.enabled needs autoscaling.enabled: each gateway places its own pool members, and only the Ray autoscaler adds the worker pods a new gateway's members need" }}
 {{- end }}
 {{- if .Values.autoscaling.enabled }}
 {{- if eq .Values.serve.transport "nccl" }}
@@ -182,6 +231,31 @@ counts: "attention=1 mlp=3". */}}
 {{- end }}
 {{- end }}
 {{- join " " $out }}
+{{- end -}}
+
+{{/* Each pool's size when a gateway starts, as JSON (the pools ConfigMap's data). */}}
+{{- define "splitstack.poolSizes" -}}
+{{- $p := .Values.pools }}
+{{- dict "attention" (toString (int $p.attention.replicas)) "mlp" (toString (max 1 (int $p.mlp.replicas)))
+      "prefill" (toString (int $p.prefill.replicas)) | toJson }}
+{{- end -}}
+
+{{/* The scale hook's script: every ready gateway pod (the headless Service's addresses)
+takes each resizable pool's size, each `splitstack scale` retried until one deadline. No
+ready gateway: nothing to do (a gateway that starts reads the sizes from the ConfigMap). */}}
+{{- define "splitstack.scaleScript" -}}
+{{- $fullname := include "splitstack.fullname" . -}}
+end=$(( $(date +%s) + {{ int .Values.scaleHook.timeoutSeconds }} ))
+gateways=$(getent ahostsv4 {{ $fullname }}-gateway-pods | awk '{print $1}' | sort -u)
+if [ -z "$gateways" ]; then echo 'no ready gateway: each reads the new sizes when it starts'; exit 0; fi
+for ip in $gateways; do
+  for p in {{ include "splitstack.resizable" . }}; do
+    until splitstack scale "${p%=*}" "${p#*=}" --wait --timeout "$(( end - $(date +%s) ))" --url "http://$ip:{{ int .Values.gateway.port }}"; do
+      if [ "$(date +%s)" -ge "$end" ]; then echo "error: gateway $ip: ${p%=*} not at ${p#*=} within {{ int .Values.scaleHook.timeoutSeconds }} s" >&2; exit 1; fi
+      sleep 5
+    done
+  done
+done
 {{- end -}}
 
 {{/* The gateway container's shell line: join the Ray cluster as a node with no CPUs and no
