@@ -1,4 +1,4 @@
-"""Merging partial-softmax aggregates `(O, lse)` (DESIGN.md, Q-First protocol).
+"""Merging partial-softmax aggregates `(O, lse)` (docs/design/qfirst.md).
 
 For disjoint key sets A and B:
 

@@ -1,6 +1,6 @@
 """Gated DeltaNet (linear_attention) layer: projections, conv + gates + delta rule, output.
 
-Two checkpoint layouts feed the same math (MODEL_SPEC.md §2.4):
+Two checkpoint layouts feed the same math (as the two families' HF checkpoints store them):
 - "grouped" (Qwen3-Next): `in_proj_qkvz` rows grouped by key head, `in_proj_ba` likewise;
 - "flat" (Qwen3.5): `in_proj_qkv` = [q_all | k_all | v_all], separate `in_proj_z/b/a`.
 Both produce `mixed` with conv channels ordered q_all, k_all, v_all.

@@ -1,4 +1,4 @@
-"""Which weights each side of the Q-First split holds (seed 003, §4; DESIGN.md).
+"""Which weights each side of the Q-First split holds (seed 003, §4; docs/design/qfirst.md).
 
 The cache side (attention service) holds Wq, Wo, the attention norms and the q-norm, and
 the Gated DeltaNet conv / decay / gated norm / out_proj. The MLP pool holds the embeddings,

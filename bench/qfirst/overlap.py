@@ -2,9 +2,9 @@
 
     python -m bench.qfirst.overlap [--model DIR] [--contexts 1024,8192,32768] [--batches 1,8]
                                    [--transports local,grpc,nccl] [--steps 7] [--warmup 2]
-                                   [--engine-threads 2] [--out bench/results/qfirst_overlap.json]
+                                   [--engine-threads 2] [--out bench/results/qfirst/qfirst_overlap.json]
 
-Where things run (DESIGN.md, "Q-First decode protocol"):
+Where things run (docs/design/qfirst.md, docs/architecture.md):
 - `grpc`: the pool (`MLPPool` behind `serve_pool`, as deployed: its cross-client batcher
   sees one client here) runs in a child process with one torch thread; the attention
   service (cache side) runs here with one torch thread, so on two cores q-first's sweep
@@ -269,7 +269,7 @@ def main() -> None:
     parser.add_argument("--engine-threads", type=int, default=2)
     parser.add_argument("--mem-slack", type=float, default=2.0, help="GiB to leave free")
     parser.add_argument("--no-crossover", action="store_true")
-    parser.add_argument("--out", default="bench/results/qfirst_overlap.json")
+    parser.add_argument("--out", default="bench/results/qfirst/qfirst_overlap.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = [n for n in args.transports.split(",") if n]

@@ -1,5 +1,5 @@
 """The Q-First runner: executes the engine's scheduled steps as the cache side of Q-First
-disaggregated decode (seed 003; DESIGN.md, "Q-First decode protocol").
+disaggregated decode (seed 003; docs/design/qfirst.md).
 
 Per step, for the flattened rows of its chunks (decode rows first, then prefill chunks):
 

@@ -1,4 +1,4 @@
-"""The stateless MLP pool of the Q-First protocol (seed 003, §4; DESIGN.md).
+"""The stateless MLP pool of the Q-First protocol (seed 003, §4; docs/design/qfirst.md).
 
 One call per stage. Stage l takes the cache side's residual `u` (the input of layer l−1's
 feed-forward; token ids for stage 0) and returns
