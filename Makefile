@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image test test-fast bench bench-peers run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image image-cuda base-image test test-fast bench bench-peers run clean
 
 ## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
 setup: $(STAMP) proto models tools grafana-schema prometheus
@@ -103,14 +103,29 @@ chart-sync:
 	cp deploy/prometheus/rules/*.yml k8s/splitstack/files/rules/ 2>/dev/null || true
 	cp deploy/grafana/*.json k8s/splitstack/files/dashboards/ 2>/dev/null || true
 
-## image: the CPU and CUDA images (k8s/Containerfile.cpu, .cuda) with buildah or docker
+## image: the CPU image localhost/splitstack:$(IMAGE_TAG)-cpu (k8s/Containerfile.cpu) with podman,
+## buildah or docker; BASE=IMAGE replaces its python:3.11-slim base (see base-image),
+## IMAGE_BUILD_FLAGS more build flags. image-cuda: the CUDA image (-cuda)
 IMAGE_TAG ?= 0.1.0
-image:
-	@if command -v buildah >/dev/null; then build="buildah bud"; \
-	elif command -v docker >/dev/null; then build="docker build"; \
-	else echo "make image: neither buildah nor docker is installed" >&2; exit 1; fi; \
-	set -e; $$build -f k8s/Containerfile.cpu -t splitstack:$(IMAGE_TAG)-cpu .; \
-	$$build -f k8s/Containerfile.cuda -t splitstack:$(IMAGE_TAG)-cuda .
+IMAGE ?= localhost/splitstack
+BASE ?=
+IMAGE_BUILD_FLAGS ?=
+CONTAINER_BUILD = $(shell if command -v podman >/dev/null; then echo podman build; \
+	elif command -v buildah >/dev/null; then echo buildah bud; \
+	elif command -v docker >/dev/null; then echo docker build; fi)
+image image-cuda:
+	@test -n "$(CONTAINER_BUILD)" || { echo "make $@: none of podman, buildah, docker is installed" >&2; exit 1; }
+	$(CONTAINER_BUILD) -f k8s/Containerfile.$(if $(filter image,$@),cpu,cuda) \
+		-t $(IMAGE):$(IMAGE_TAG)-$(if $(filter image,$@),cpu,cuda) \
+		$(if $(and $(BASE),$(filter image,$@)),--build-arg BASE=$(BASE)) $(IMAGE_BUILD_FLAGS) .
+
+## base-image: localhost/debian-base:bookworm (Debian's python3 3.11) from mmdebstrap, for
+## `make image BASE=localhost/debian-base:bookworm` where no registry serves the python image
+base-image:
+	mkdir -p .tmp
+	mmdebstrap --variant=minbase --include=python3,ca-certificates bookworm .tmp/base.tar
+	podman import .tmp/base.tar localhost/debian-base:bookworm
+	rm -f .tmp/base.tar
 
 ## test: the import contracts (.importlinter), then the whole suite (what CI runs)
 test: setup
