@@ -10,27 +10,72 @@ from deploy.grafana.panels import (Panel, dashboard, increase, mean, quantile,
                                    quantile_targets, rate, sel, zero_if_none)
 
 FINISHED = "splitstack_requests_finished_total"
-TTFT_SLO = "splitstack:slo_time_to_first_token_p95_seconds"     # a recording rule
+HTTP = "splitstack_http_requests_total"
+API = 'route=~"/v1/.*|/tokenize|/detokenize"'     # the routes the availability objective holds
+
+
+def slo(record: str, objective: str, window: str) -> str:
+    """A recording rule of deploy/prometheus/rules/recording.yml for one objective."""
+    matcher = f'slo="{objective}"'
+    return f"max(job:splitstack_slo_{record}{window}{sel(matcher)})"
+
+
+def within(objective: str, window: str = "5m") -> str:
+    """Share of events within `objective` over `window` (the alerts' windows)."""
+    return f"1 - {slo('errors:ratio_rate', objective, window)}"
+
+
+def burn(objective: str, window: str) -> str:
+    """Error-budget burn rate: 1 spends the 30-day budget in 30 days."""
+    return (f"{slo('errors:ratio_rate', objective, window)} / "
+            f"{slo('error_budget:ratio', objective, '')}")
 TOKS = "suffix: tokens/s"
 
 
 def overview() -> dict:
-    error_ratio = rate(FINISHED, extra='reason="error"') + " / " + rate(FINISHED)
+    error_ratio = (rate(FINISHED, extra='reason="error"', window="5m") + " / "
+                   + rate(FINISHED, window="5m"))
     return dashboard("splitstack-overview", "splitstack / Overview",
                      "Requests, latency, tokens and load of one splitstack deployment, as its "
                      "clients see it (the gateway's series).", ["embedded", "ray"], [
+        ("Objectives", [
+            Panel("Availability (5m)", "percentunit", "Share of API requests answered "
+                  "without a 5xx over the last 5 minutes (503 refusals count as errors), the "
+                  "short window of the SplitstackAvailability*Burn alerts.",
+                  [(within("availability"), "availability")], kind="stat", width=6,
+                  height=4),
+            Panel("TTFT within objective (5m)", "percentunit", "Share of first tokens within "
+                  "the TTFT objective the gateway exports (splitstack_slo_objective_seconds) "
+                  "over the last 5 minutes.",
+                  [(within("time_to_first_token"), "within")], kind="stat", width=6,
+                  height=4),
+            Panel("Error budget burn rate (1h)", "none", "How fast each objective's error "
+                  "budget burns over the last hour: 1 spends a 30-day budget in 30 days; "
+                  "the page fires from 14.4 (with the 5-minute rate over it too), red here.",
+                  [(burn(o, "1h"), o) for o in ("availability", "time_to_first_token",
+                                               "inter_token_latency")],
+                  kind="stat", width=6, height=4, red_from=14.4),
+            Panel("Error budget left (3 days)", "percentunit", "Share of each objective's "
+                  "error budget the last 3 days left unspent (1 - burn rate over 3 days; "
+                  "below 0 the objective was missed over them).",
+                  [(f"1 - {burn(o, '3d')}", o) for o in ("availability",
+                                                        "time_to_first_token")],
+                  kind="stat", width=6, height=4),
+        ]),
         ("Now", [
-            Panel("Request rate", "reqps", "Requests finished per second, any outcome.",
-                  [(rate(FINISHED), "requests/s")], kind="stat", width=6, height=4),
+            Panel("Request rate", "reqps", "Requests finished per second, any outcome, "
+                  "over 5 minutes.",
+                  [(rate(FINISHED, window="5m"), "requests/s")], kind="stat", width=6,
+                  height=4),
             Panel("Error ratio", "percentunit", "Share of finished requests that failed "
-                  "(finish reason error); red from 5%, the SplitstackHighErrorRatio alert's "
-                  "threshold.", [(error_ratio, "errors")], kind="stat", width=6, height=4,
-                  red_from=0.05),
+                  "(finish reason error) over 5 minutes; red from 5%, the "
+                  "SplitstackHighErrorRatio alert's threshold.", [(error_ratio, "errors")],
+                  kind="stat", width=6, height=4, red_from=0.05),
             Panel("TTFT p95", "s", "95th percentile of the time from a request's arrival "
-                  "to its first token; red from 2 s, the objective of the "
-                  "SplitstackTTFTOverSLO alert.",
-                  [(quantile(0.95, "splitstack_time_to_first_token_seconds"), "p95")],
-                  kind="stat", width=6, height=4, red_from=2),
+                  "to its first token over 5 minutes; the objective is a share of requests "
+                  "within a bound (the Objectives row).",
+                  [(quantile(0.95, "splitstack_time_to_first_token_seconds", window="5m"),
+                    "p95")], kind="stat", width=6, height=4),
             Panel("Running", "short", "Requests in the engines now.",
                   [(f"sum(splitstack_requests_running{sel()})", "running")], kind="stat",
                   width=6, height=4),
@@ -52,14 +97,18 @@ def overview() -> dict:
                   [(zero_if_none(rate("splitstack_http_refusals_total", ("reason",)),
                                  f"sum(splitstack_requests_running{sel()})", "reason"),
                     "{{reason}}")], width=8),
+            Panel("API responses by status code", "reqps", "Responses to the API routes per "
+                  "second by HTTP status code, refusals included (what the availability "
+                  "objective counts: 5xx are errors).",
+                  [(rate(HTTP, ("code",), extra=API), "{{code}}")], stack=True, width=24),
         ]),
         ("Latency", [
             Panel("Time to first token", "s", "TTFT percentiles: arrival to first token "
-                  "(queue, prefill and the first sampling), and the p95 objective the "
-                  "SplitstackTTFTOverSLO alert holds it to (a recording rule of "
-                  "deploy/prometheus/rules/recording.yml).",
+                  "(queue, prefill and the first sampling), and the objective the gateway "
+                  "exports (splitstack_slo_objective_seconds).",
                   quantile_targets("splitstack_time_to_first_token_seconds")
-                  + [(TTFT_SLO, "SLO p95")], width=8),
+                  + [("max(splitstack_slo_objective_seconds"
+                      + sel('slo="time_to_first_token"') + ")", "objective")], width=8),
             Panel("Inter-token latency", "s", "ITL percentiles: time between consecutive "
                   "tokens of a request.",
                   quantile_targets("splitstack_inter_token_latency_seconds"), width=8),
@@ -138,9 +187,9 @@ def pools() -> dict:
             Panel("Retries per service", "cps", "Pool calls each attention service made "
                   "again on another pool replica, and prefill calls made again on another "
                   "prefill replica, per second.",
-                  [(rate("splitstack_attention_pool_retries", ("service",)),
+                  [(rate("splitstack_attention_pool_retries_total", ("service",)),
                     "pool {{service}}"),
-                   (rate("splitstack_attention_prefill_retries", ("service",)),
+                   (rate("splitstack_attention_prefill_retries_total", ("service",)),
                     "prefill {{service}}")], width=8),
         ]),
         ("MLP pool replicas", [

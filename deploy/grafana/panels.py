@@ -33,19 +33,20 @@ def by(labels: tuple[str, ...]) -> str:
     return f" by ({', '.join(labels)})" if labels else ""
 
 
-def rate(name: str, labels: tuple[str, ...] = (), extra: str = "") -> str:
+def rate(name: str, labels: tuple[str, ...] = (), extra: str = "", window: str = WINDOW) -> str:
     """Per-second rate of a counter, summed over everything but `labels`."""
-    return f"sum{by(labels)} (rate({name}{sel(extra)}[{WINDOW}]))"
+    return f"sum{by(labels)} (rate({name}{sel(extra)}[{window}]))"
 
 
 def increase(name: str, labels: tuple[str, ...] = (), extra: str = "") -> str:
     return f"sum{by(labels)} (increase({name}{sel(extra)}[{WINDOW}]))"
 
 
-def quantile(q: float, histogram: str, labels: tuple[str, ...] = ()) -> str:
+def quantile(q: float, histogram: str, labels: tuple[str, ...] = (),
+             window: str = WINDOW) -> str:
     """The q-quantile of a histogram (`histogram` without `_bucket`) over the window."""
     return (f"histogram_quantile({q}, sum by ({', '.join(('le', *labels))}) "
-            f"(rate({histogram}_bucket{sel()}[{WINDOW}])))")
+            f"(rate({histogram}_bucket{sel()}[{window}])))")
 
 
 def mean(histogram: str, labels: tuple[str, ...] = ()) -> str:
