@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync image image-cuda base-image test test-fast bench bench-peers run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync structure image image-cuda base-image test test-fast bench bench-peers run clean
 
 ## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
 setup: $(STAMP) proto models tools grafana-schema prometheus
@@ -103,6 +103,11 @@ chart-sync:
 	cp deploy/prometheus/rules/*.yml k8s/splitstack/files/rules/ 2>/dev/null || true
 	cp deploy/grafana/*.json k8s/splitstack/files/dashboards/ 2>/dev/null || true
 
+## structure: regenerate docs/structure.md from the module docstrings (tests/unit/
+## test_structure.py fails when the page differs from what this writes)
+structure: $(STAMP)
+	$(PY) -m tools.structure
+
 ## image: the CPU image localhost/splitstack:$(IMAGE_TAG)-cpu (k8s/Containerfile.cpu) with podman,
 ## buildah or docker; BASE=IMAGE replaces its python:3.11-slim base (see base-image),
 ## IMAGE_BUILD_FLAGS more build flags. image-cuda: the CUDA image (-cuda)
@@ -137,6 +142,8 @@ test-fast: setup
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
+## bench: the exact engine against HF generate, prefill and decode tokens/s (one of the
+## benchmarks under bench/, each run as python -m bench.SUBJECT.NAME)
 bench: setup
 	$(PY) -m bench.serving.engine_vs_hf
 
