@@ -286,3 +286,54 @@ def test_a_runtime_class_reaches_the_pools_pods():
               for g in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]}
     assert groups["attention"]["runtimeClassName"] == "nvidia"
     assert "runtimeClassName" not in groups["mlp"]
+
+
+# ---- 12, 14. Redis: bounded, and its password never in args -------------------------------------
+
+def all_args(docs) -> str:
+    return json.dumps([c.get("command", []) + c.get("args", [])
+                       for _, spec in pod_specs(docs)
+                       for c in spec["spec"]["containers"] + spec["spec"].get("initContainers", [])])
+
+
+def test_the_in_chart_redis_is_bounded_and_evicts():
+    docs = render("values-cpu.yaml")
+    redis = find(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"][0]
+    line = " ".join(redis["command"] + redis["args"])
+    limit = memory_bytes(redis["resources"]["limits"]["memory"])
+    maxmemory = int(re.search(r"'--maxmemory' '(\d+)'", line).group(1))
+    assert 0 < maxmemory <= 0.8 * limit
+    assert "'--maxmemory-policy' 'allkeys-lru'" in line
+
+
+def test_the_redis_password_reaches_redis_and_the_gateway_through_the_environment(tmp_path):
+    docs = render("values-cpu.yaml")
+    secret = find(docs, "Secret", "-redis")
+    password = __import__("base64").b64decode(secret["data"]["redis-password"]).decode()
+    assert len(password) >= 24 and password not in all_args(docs)
+    redis = find(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert env["REDIS_PASSWORD"]["name"] == env["REDISCLI_AUTH"]["name"] == secret["metadata"]["name"]
+    # the container's line, run: Redis starts with a config file holding the password
+    stub = tmp_path / "redis-server"
+    stub.write_text('#!/bin/sh\necho "$@"; cat "$1"\n')
+    stub.chmod(0o755)
+    line = redis["args"][0].replace("/run/redis", str(tmp_path))
+    out = subprocess.run(["/bin/sh", "-c", line], capture_output=True, text=True, timeout=10,
+                         env={"PATH": f"{tmp_path}:/usr/bin:/bin", "REDIS_PASSWORD": "s3cret"})
+    assert out.returncode == 0, out.stderr
+    assert "requirepass s3cret" in out.stdout and "allkeys-lru" in out.stdout
+    gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    (pw,) = [e for e in gateway["env"] if e["name"] == "SPLITSTACK_REDIS_PASSWORD"]
+    assert pw["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert '"redis://:${SPLITSTACK_REDIS_PASSWORD}@' + RELEASE in gateway["args"][0]
+
+
+def test_an_external_redis_password_comes_from_its_secret_not_the_args():
+    docs = render("values.yaml", "redis.enabled=false", "redis.url=redis://cache.example:6379/2",
+                  "redis.auth.existingSecret=cache-auth", "redis.auth.secretKey=password")
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-redis")]
+    gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    (pw,) = [e for e in gateway["env"] if e["name"] == "SPLITSTACK_REDIS_PASSWORD"]
+    assert pw["valueFrom"]["secretKeyRef"] == {"name": "cache-auth", "key": "password"}
+    assert '"redis://:${SPLITSTACK_REDIS_PASSWORD}@cache.example:6379/2"' in gateway["args"][0]

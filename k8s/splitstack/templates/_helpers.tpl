@@ -65,12 +65,43 @@ knows no cluster: pass `--api-versions monitoring.coreos.com/v1` to render them.
 {{ include "splitstack.fullname" . }}-head-svc
 {{- end -}}
 
+{{/* The Redis URL the gateway is given; with a password, `${SPLITSTACK_REDIS_PASSWORD}`
+stands in it for the shell to expand from the environment (the Secret). */}}
 {{- define "splitstack.redisUrl" -}}
-{{- if .Values.redis.enabled -}}
-redis://{{ include "splitstack.fullname" . }}-redis:{{ .Values.redis.port }}/0
-{{- else -}}
-{{ .Values.redis.url }}
+{{- $url := .Values.redis.url }}
+{{- if .Values.redis.enabled }}
+{{- $url = printf "redis://%s-redis:%d/0" (include "splitstack.fullname" .) (int .Values.redis.port) }}
+{{- end }}
+{{- if and $url (include "splitstack.redisSecret" .) }}
+{{- $url = regexReplaceAll "^(rediss?://)" $url "${1}:$${SPLITSTACK_REDIS_PASSWORD}@" }}
+{{- end }}
+{{- $url }}
 {{- end -}}
+
+{{/* A list of words as one shell line, each single-quoted. */}}
+{{- define "splitstack.shellWords" -}}
+{{- $out := list }}
+{{- range . }}{{ $out = append $out (printf "'%s'" (replace "'" "'\\''" (toString .))) }}{{ end }}
+{{- join " " $out }}
+{{- end -}}
+
+{{/* The Secret holding the Redis password, if any. */}}
+{{- define "splitstack.redisSecret" -}}
+{{- $a := .Values.redis.auth }}
+{{- if $a.existingSecret }}{{ $a.existingSecret }}
+{{- else if and $a.enabled .Values.redis.enabled }}{{ include "splitstack.fullname" . }}-redis
+{{- end }}
+{{- end -}}
+
+{{/* The environment entry of the Redis password: (dict "ctx" $ "name" "VAR"). */}}
+{{- define "splitstack.redisPasswordEnv" -}}
+{{- with include "splitstack.redisSecret" .ctx -}}
+- name: {{ $.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.ctx.Values.redis.auth.secretKey }}
+{{- end }}
 {{- end -}}
 
 {{- define "splitstack.apiKeySecret" -}}
@@ -282,8 +313,9 @@ the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the en
       "--dtype" $v.serve.dtype "--threads" (toString $v.serve.threads)
       "--max-replicas" (toString $maxReplicas) "--drain-timeout" (toString $v.serve.drainTimeoutSeconds)) }}
 {{- if $v.model.servedName }}{{ $a = concat $a (list "--served-model-name" (squote $v.model.servedName)) }}{{ end }}
-{{- if $v.serve.prefixCache }}{{ $a = concat $a (list "--prefix-cache" "--redis-url" (squote $redis)) }}{{ end }}
-{{- if $redis }}{{ $a = concat $a (list "--rate-limit-redis" (squote $redis)) }}{{ end }}
+{{- $quoted := ternary (quote $redis) (squote $redis) (contains "${" $redis) }}
+{{- if $v.serve.prefixCache }}{{ $a = concat $a (list "--prefix-cache" "--redis-url" $quoted) }}{{ end }}
+{{- if $redis }}{{ $a = concat $a (list "--rate-limit-redis" $quoted) }}{{ end }}
 {{- if $v.serve.rateLimitRpm }}{{ $a = concat $a (list "--rate-limit-rpm" (toString (int $v.serve.rateLimitRpm))) }}{{ end }}
 {{- if $v.serve.rateLimitTpm }}{{ $a = concat $a (list "--rate-limit-tpm" (toString (int $v.serve.rateLimitTpm))) }}{{ end }}
 {{- if $v.grpcTokenSecret }}{{ $a = concat $a (list "--grpc-token-file" "/etc/splitstack/grpc/token") }}{{ end }}
