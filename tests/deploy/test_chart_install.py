@@ -337,3 +337,47 @@ def test_an_external_redis_password_comes_from_its_secret_not_the_args():
     (pw,) = [e for e in gateway["env"] if e["name"] == "SPLITSTACK_REDIS_PASSWORD"]
     assert pw["valueFrom"]["secretKeyRef"] == {"name": "cache-auth", "key": "password"}
     assert '"redis://:${SPLITSTACK_REDIS_PASSWORD}@cache.example:6379/2"' in gateway["args"][0]
+
+
+# ---- 13, 15. resources everywhere, PDBs, and the values a platform needs ------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_container_init_and_hook_included_sets_resources(value_set):
+    for name, spec in pod_specs(render(value_set)):
+        for c in spec["spec"]["containers"] + spec["spec"].get("initContainers", []):
+            limits = c.get("resources", {}).get("limits", {})
+            assert "memory" in limits and "cpu" in limits, (value_set, name, c["name"])
+
+
+def test_each_worker_group_has_a_disruption_budget_matching_its_pods():
+    docs = render("values-autoscale.yaml")
+    budgets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PodDisruptionBudget"}
+    for group in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        pdb = budgets[f"{RELEASE}-splitstack-{group['groupName']}"]["spec"]
+        assert pdb["maxUnavailable"] == 1
+        labels = group["template"]["metadata"]["labels"]
+        assert pdb["selector"]["matchLabels"].items() <= labels.items()
+        others = [g for g in find(docs, "RayCluster")["spec"]["workerGroupSpecs"] if g is not group]
+        for other in others:                    # one group's budget covers no other group
+            assert not pdb["selector"]["matchLabels"].items() <= other["template"]["metadata"][
+                "labels"].items()
+
+
+def test_extra_env_annotations_service_account_priority_and_spread_reach_the_pods():
+    docs = render("values-cpu.yaml", "extraEnv[0].name=NCCL_SOCKET_IFNAME",
+                  "extraEnv[0].value=eth0", "podAnnotations.team=ml", "serviceAccountName=splitstack",
+                  "priorityClassName=inference", "pools.mlp.topologySpreadConstraints[0].maxSkew=1",
+                  "pools.mlp.topologySpreadConstraints[0].topologyKey=kubernetes.io/hostname",
+                  "pools.mlp.topologySpreadConstraints[0].whenUnsatisfiable=ScheduleAnyway")
+    for name, template in pod_specs(docs):
+        spec = template["spec"]
+        if name.endswith("-redis"):
+            continue
+        for c in spec["containers"] + spec.get("initContainers", []):
+            assert {"name": "NCCL_SOCKET_IFNAME", "value": "eth0"} in c["env"], (name, c["name"])
+        if name.endswith("-scale"):
+            continue
+        assert template["metadata"]["annotations"]["team"] == "ml", name
+        assert spec["priorityClassName"] == "inference", name
+        assert spec.get("serviceAccountName") == (None if name == "ray-head" else "splitstack"), name
+        assert ("topologySpreadConstraints" in spec) == (name == "ray-mlp"), name

@@ -144,6 +144,24 @@ under /tmp (an emptyDir) for a read-only root filesystem. */}}
   value: disabled
 - name: TOKENIZERS_PARALLELISM
   value: "false"
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level fields every splitstack pod shares; "serviceAccount": with serviceAccountName. */}}
+{{- define "splitstack.podCommon" -}}
+{{- $v := .ctx.Values }}
+{{- with $v.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- if and .serviceAccount $v.serviceAccountName }}
+serviceAccountName: {{ $v.serviceAccountName }}
+{{- end }}
+{{- with .spread }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end -}}
 
 {{/* Volumes of a pod that runs splitstack (model, /tmp, /dev/shm); "withModel": mount the
@@ -195,6 +213,8 @@ initContainers:
     command: ["splitstack", "import-gguf", "--out", {{ .Values.model.path | quote }}]
     env:
       {{- include "splitstack.env" . | nindent 6 }}
+    resources:
+      {{- toYaml .Values.model.initResources | nindent 6 }}
     securityContext:
       {{- include "splitstack.containerSecurity" . | nindent 6 }}
     volumeMounts:
