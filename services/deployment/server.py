@@ -14,7 +14,7 @@ from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
 from services.gateway.limits import HttpLimits
 from services.gateway.ratelimit import RateLimits
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, objectives_for
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
@@ -69,7 +69,10 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
             raise ValueError(f"--autoscale: the {pool} pool cannot be resized: {fixed[pool]}")
     init_ray(address, num_cpus=num_cpus)
     cluster = deploy(config)
-    metrics = GatewayMetrics()
+    policy = autoscaler.policy if autoscaler is not None else None
+    # the autoscaler's targets are the objectives the gateway exports to the alert rules
+    metrics = GatewayMetrics(objectives=objectives_for(policy and policy.slo_ttft_s,
+                                                       policy and policy.slo_itl_s))
     backend = ClusterBackend(cluster.attention_addresses, metrics.registry,
                              prefill_addresses=cluster.prefill_addresses,
                              pool_addresses=cluster.pool_addresses, security=config.security)

@@ -51,6 +51,15 @@ class Objectives:
                 raise ValueError(f"{name} must be in (0, 1), got {getattr(self, name)!r}")
 
 
+def objectives_for(ttft_s: float | None, itl_s: float | None) -> Objectives:
+    """The objectives with the TTFT and ITL bounds given (the autoscaler's p95 targets,
+    `--slo-ttft-ms` and `--slo-itl-ms`: a p95 target is the bound 95% must meet), the
+    defaults for those not given."""
+    given = {name: value for name, value in (("ttft_s", ttft_s), ("itl_s", itl_s))
+             if value is not None}
+    return Objectives(**given)
+
+
 def with_boundary(buckets: tuple[float, ...], bound: float) -> tuple[float, ...]:
     return tuple(sorted(set(buckets) | {float(bound)}))
 

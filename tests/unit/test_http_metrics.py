@@ -23,7 +23,7 @@ from services.gateway.app import build_app
 from services.gateway.gateway import Gateway
 from services.gateway.http_server import server_config
 from services.gateway.limits import HttpLimits
-from services.gateway.metrics import GatewayMetrics, Objectives
+from services.gateway.metrics import GatewayMetrics, Objectives, objectives_for
 from services.gateway.protocol import APIError
 from tests.helpers.gateway import ZOO
 from tests.helpers.playback import PlaybackEngine
@@ -91,6 +91,15 @@ def test_objectives_are_exported_with_their_bucket_label():
     assert samples[("splitstack_slo_target_ratio", (("slo", "availability"),))] == 0.99
     # the bucket the objective names exists under the same label value
     assert ("splitstack_time_to_first_token_seconds_bucket", (("le", "1.5"),)) in samples
+
+
+def test_the_autoscalers_targets_are_the_exported_objectives():
+    """`--slo-ttft-ms 1500` (a p95 target): 95% of first tokens within 1.5 s, a boundary of
+    the TTFT histogram; the ITL objective keeps its default when no target is given."""
+    objectives = objectives_for(1.5, None)
+    assert objectives == Objectives(ttft_s=1.5)
+    assert 1.5 in buckets(GatewayMetrics(objectives=objectives), "time_to_first_token")
+    assert objectives_for(None, None) == Objectives()
 
 
 @pytest.mark.parametrize("bad", [{"ttft_s": 0}, {"availability": 1.0}, {"itl_target": 0}])
