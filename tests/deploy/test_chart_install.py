@@ -381,3 +381,60 @@ def test_extra_env_annotations_service_account_priority_and_spread_reach_the_pod
         assert spec["priorityClassName"] == "inference", name
         assert spec.get("serviceAccountName") == (None if name == "ray-head" else "splitstack"), name
         assert ("topologySpreadConstraints" in spec) == (name == "ray-mlp"), name
+
+
+# ---- the Hugging Face download ----------------------------------------------------------------
+
+def test_the_huggingface_init_container_downloads_the_model_through_a_mirror(tmp_path):
+    """The rendered init container's command and environment, run against a loopback Hub
+    (`HF_ENDPOINT`), with the token from its Secret: the checkpoint lands in model.path."""
+    from tests.helpers.hub_mirror import serve
+
+    repo_dir = tmp_path / "repo"
+    repo_dir.mkdir()
+    zoo = Path(__file__).parents[2] / "models" / "zoo" / "smollm2-135m"
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        (repo_dir / name).write_bytes((zoo / name).read_bytes())
+    server, requests = serve(repo_dir, "org/tiny", token="hf_secret")
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_port}"
+        docs = render("values-cpu.yaml", "model.source=huggingface", "model.huggingface.repo=org/tiny",
+                      "model.huggingface.tokenSecret=hf-token", f"model.huggingface.endpoint={endpoint}")
+        specs = dict(pod_specs(docs))
+        for name in (f"{RELEASE}-splitstack-gateway", "ray-attention", "ray-mlp"):
+            (init,) = specs[name]["spec"]["initContainers"]
+            assert init["name"] == "download-model", name
+            volumes = {v["name"]: v for v in specs[name]["spec"]["volumes"]}
+            assert "emptyDir" in volumes["model"], name
+        assert "hf_secret" not in json.dumps(docs)
+        env = {}
+        for e in init["env"]:
+            if "value" in e:
+                env[e["name"]] = e["value"]
+            else:
+                assert e["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+                env[e["name"]] = "hf_secret"
+        env["HF_HOME"] = str(tmp_path / "hf-home")
+        command = list(init["command"])
+        out_dir = tmp_path / "model"
+        assert command[command.index("--local-dir") + 1] == "/models/smollm2-135m"
+        command[command.index("--local-dir") + 1] = str(out_dir)
+        command[0] = str(Path(__file__).parents[2] / ".venv" / "bin" / "hf")
+        run = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                             env={"PATH": os.environ["PATH"], **env})
+        assert run.returncode == 0, run.stdout + run.stderr
+    finally:
+        server.shutdown()
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (out_dir / name).read_bytes() == (repo_dir / name).read_bytes()
+    downloads = [r for r in requests if "/resolve/" in r[1]]
+    assert downloads and all(auth == "Bearer hf_secret" for _, _, auth in downloads)
+
+
+def test_a_huggingface_cache_pvc_keeps_the_download():
+    docs = render("values-cpu.yaml", "model.source=huggingface", "model.huggingface.repo=org/tiny",
+                  "model.huggingface.cachePvcClaimName=models-rwx")
+    for name, spec in pod_specs(docs):
+        volumes = {v["name"]: v for v in spec["spec"].get("volumes", [])}
+        if "model" in volumes:
+            assert volumes["model"]["persistentVolumeClaim"] == {"claimName": "models-rwx"}, name

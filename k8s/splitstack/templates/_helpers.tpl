@@ -177,6 +177,14 @@ model source. */}}
 {{- if eq $m.source "import-gguf" }}
 - name: model
   emptyDir: {}
+{{- else if eq $m.source "huggingface" }}
+- name: model
+  {{- with $m.huggingface.cachePvcClaimName }}
+  persistentVolumeClaim:
+    claimName: {{ . }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
 {{- else if eq $m.source "pvc" }}
 - name: model
   persistentVolumeClaim:
@@ -199,7 +207,7 @@ model source. */}}
 {{- if and .withModel (ne .ctx.Values.model.source "image") }}
 - name: model
   mountPath: {{ .ctx.Values.model.mountPath }}
-  readOnly: {{ ne .ctx.Values.model.source "import-gguf" }}
+  readOnly: {{ not (has .ctx.Values.model.source (list "import-gguf" "huggingface")) }}
 {{- end }}
 {{- end -}}
 
@@ -213,6 +221,37 @@ initContainers:
     command: ["splitstack", "import-gguf", "--out", {{ .Values.model.path | quote }}]
     env:
       {{- include "splitstack.env" . | nindent 6 }}
+    resources:
+      {{- toYaml .Values.model.initResources | nindent 6 }}
+    securityContext:
+      {{- include "splitstack.containerSecurity" . | nindent 6 }}
+    volumeMounts:
+      {{- include "splitstack.mounts" (dict "ctx" . "withModel" true) | nindent 6 }}
+{{- else if eq .Values.model.source "huggingface" -}}
+{{- $hf := .Values.model.huggingface }}
+initContainers:
+  - name: download-model
+    image: {{ include "splitstack.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["hf", "download", {{ $hf.repo | quote }}, "--revision", {{ $hf.revision | quote }},
+              "--local-dir", {{ .Values.model.path | quote }}]
+    env:
+      {{- include "splitstack.env" . | nindent 6 }}
+      - name: HF_HOME
+        value: /tmp/huggingface
+      - name: HF_HUB_DISABLE_TELEMETRY
+        value: "1"
+      {{- with $hf.endpoint }}
+      - name: HF_ENDPOINT
+        value: {{ . | quote }}
+      {{- end }}
+      {{- with $hf.tokenSecret }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef:
+            name: {{ . }}
+            key: token
+      {{- end }}
     resources:
       {{- toYaml .Values.model.initResources | nindent 6 }}
     securityContext:
