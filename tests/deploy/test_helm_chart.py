@@ -340,3 +340,27 @@ def test_the_servicemonitor_keeps_the_members_service_label():
     (endpoint,) = find(render("values.yaml"), "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
     crd_validator("ServiceMonitor").validate(find(render("values.yaml"), "ServiceMonitor"))
+
+
+def test_the_prometheus_rule_carries_the_rules_and_absolute_runbook_links():
+    """The PrometheusRule holds every group of deploy/prometheus/rules/; with
+    monitoring.prometheusRule.runbookUrl each alert's runbook_url is that page plus the
+    alert's anchor, and without it the repository path."""
+    source = {}
+    for path in sorted((ROOT / "deploy" / "prometheus" / "rules").glob("*.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            source[group["name"]] = group
+    url = "https://example.com/splitstack/docs/runbooks.md"
+    for sets, prefix in (((), "docs/runbooks.md"),
+                         ((f"monitoring.prometheusRule.runbookUrl={url}",), url)):
+        rule = find(render("values.yaml", *sets), "PrometheusRule")
+        groups = {g["name"]: g for g in rule["spec"]["groups"]}
+        assert groups.keys() == source.keys()
+        for name, group in groups.items():
+            for got, want in zip(group["rules"], source[name]["rules"], strict=True):
+                if "alert" not in want:
+                    assert got == want
+                    continue
+                anchor = want["annotations"]["runbook_url"].partition("#")[2]
+                assert got["annotations"]["runbook_url"] == f"{prefix}#{anchor}"
+                assert {**got, "annotations": {}} == {**want, "annotations": {}}
