@@ -1,5 +1,6 @@
 """Prometheus metrics exported by the gateway (prefix `splitstack_`, seconds), in vLLM's
-shapes: per-request stage histograms, outcome counters, token counters.
+shapes: per-request stage histograms, outcome counters, token counters, HTTP responses by
+status code, and the service-level objectives the alert rules hold each deployment to.
 
 A request's stages (vLLM's): queued (`add_request` until the engine first schedules it),
 prefilled (from then to its first token; in the Ray deployment with prefill replicas, from
