@@ -184,7 +184,10 @@ def exported(base: str) -> dict[str, tuple[str, frozenset | None]]:
     out = {}
     for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
         name = fam.name + "_total" if fam.type == "counter" else fam.name
-        labels = {k for s in fam.samples for k in s.labels} - {"le", "quantile"}
+        # a histogram's `le` and a summary's `quantile` are no labels of the family; a
+        # gauge's `le` (an objective's bucket bound) is
+        own = {"histogram": {"le"}, "summary": {"quantile"}}.get(fam.type, set())
+        labels = {k for s in fam.samples for k in s.labels} - own
         out[name] = (fam.type, frozenset(labels) if fam.samples else None)
     # prometheus_client's creation timestamps of counters and histograms (`x_created`)
     return {name: v for name, v in out.items() if not (

@@ -70,13 +70,16 @@ class Prometheus:
 
 
 @contextlib.contextmanager
-def running_prometheus(targets: dict[str, str], workdir: Path, interval: str = "1s"):
+def running_prometheus(targets: dict[str, str], workdir: Path, interval: str = "1s",
+                       rules_dir: Path | None = None):
     """Prometheus on a free loopback port scraping each gateway of `targets` (job name ->
     host:port) every `interval`, with deploy/prometheus/prometheus.yml's job (its path and
-    labels) and rules, evaluated as often. Yields a `Prometheus`."""
+    labels) and rules, evaluated as often; `rules_dir`: the rule files of that name taken
+    from there instead (rewritten copies). Yields a `Prometheus`."""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
-    config["rule_files"] = [str(PROMETHEUS_DIR / f) for f in config["rule_files"]]
+    config["rule_files"] = [str(rules_dir / Path(f).name if rules_dir else PROMETHEUS_DIR / f)
+                            for f in config["rule_files"]]
     job = config["scrape_configs"][0]
     static = job["static_configs"][0]
     config["scrape_configs"] = [dict(job, job_name=name,
