@@ -3,7 +3,9 @@
 The engine is the one `LLMEngine` with a Q-First runner (`services.attention.runner`).
 Contract: one thread (the step loop) is the only code that touches the engine. A gRPC
 `Generate` call submits its request to that thread, gets it acknowledged or refused, then
-relays one event per token. When the call ends early (the client cancelled or went away)
+relays one event per token. With prefill replicas, the call first has a replica acknowledge
+the prompt (a refusal is the call's), then submits the request, which waits in the
+scheduler (WAITING_FOR_REMOTE_KVS) until the prompt's KV arrives: no handler blocks on it. When the call ends early (the client cancelled or went away)
 its request is aborted and its KV freed at the next step boundary. When the engine fails
 stop (`services.engine.driver`), every call ends UNAVAILABLE, as if the process had been
 killed, so the gateway migrates the requests; `Health` answers UNAVAILABLE from then on.
@@ -11,7 +13,6 @@ killed, so the gateway migrates the requests; `Health` answers UNAVAILABLE from 
 from __future__ import annotations
 
 import logging
-import time
 
 import grpc
 from prometheus_client import generate_latest
@@ -20,14 +21,14 @@ from kernels.sampling import SamplingError
 from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.codec import asks_for_prefill, params_from_proto, prompt_logprob_fields
+from services.common.codec import params_from_proto, prompt_logprob_fields
 from services.common.faults import NO_FAULTS, FaultPlan
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import EngineDeadError
 from services.engine.driver import QueueDriver
 from services.engine import LLMEngine, RequestError, StepOutput
-from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
-                                     PrefillFailed, PrefillRefused)
+from services.prefill.server import (PrefillCancelled, PrefillClient, PrefillFailed,
+                                     PrefillRefused)
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,12 @@ def _refusal(exc: Exception) -> pb.GenerateEvent:
                             error_field=getattr(exc, "field", "") or "")
 
 
-def _stage_times(out: StepOutput, remote_s: float) -> dict:
-    """The first token's queue and prefill seconds; the prefill includes the call to the
-    prefill replica, which ran before the request reached this engine's queue."""
+def _stage_times(out: StepOutput) -> dict:
+    """The first token's queue and prefill seconds (a prefill on a prefill replica, waited
+    for in WAITING_FOR_REMOTE_KVS, counts as prefill)."""
     if out.queue_s is None:
         return {}
-    return {"queue_s": out.queue_s, "prefill_s": out.prefill_s + remote_s}
+    return {"queue_s": out.queue_s, "prefill_s": out.prefill_s}
 
 
 class AttentionServicer(pb_grpc.AttentionServicer):
@@ -64,25 +65,14 @@ class AttentionServicer(pb_grpc.AttentionServicer):
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)
         extra = {"output_ids": list(request.resume_ids)}      # a migrated request's tokens
-        remote_s = 0.0                                        # its prefill on a replica
         try:
             params = params_from_proto(request)
             if self.prefill is not None:
-                self.loop.engine.validate(prompt, params)     # before paying for a prefill
-                if params.prompt_logprobs is not None:
-                    raise RequestError("echo", True, "the prompt's log-probs need the "
-                                       "attention service's own prefill; this deployment "
-                                       "prefills on prefill replicas")
-                cancel = CancelHandle()
-                context.add_callback(cancel.cancel)
-                started = time.monotonic()
-                extra["prefilled"] = self.prefill.prefill(prompt + extra["output_ids"],
-                                                          request.prefill, cancel)
-                remote_s = time.monotonic() - started
-            elif asks_for_prefill(request.prefill):
-                raise RequestError("prefill_mode", request.prefill.mode,
-                                   "this deployment has no prefill service (start it with "
-                                   "--prefill-replicas and --maps)")
+                self.loop.engine.validate(prompt, params, remote=True)   # before the prefill
+                pending = self.prefill.start(prompt + extra["output_ids"], request.prefill)
+                context.add_callback(pending.cancel)
+                pending.add_done_callback(self.loop.wake)    # the step loop may be idle
+                extra["remote"] = pending
             sub = self.loop.submit(prompt, params, **extra)
         except (RequestError, SamplingError, PrefillRefused) as exc:
             yield _refusal(exc)
@@ -108,7 +98,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                    top_tokens=[t for t, _ in out.top_logprobs or ()],
                                    top_logprobs=[lp for _, lp in out.top_logprobs or ()],
                                    **prompt_logprob_fields(out.prompt_logprobs),
-                                   **_stage_times(out, remote_s))
+                                   **_stage_times(out))
             if out.finished:
                 return
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kernels.sampling import History, SamplingParams, TokenLogprob
-from services.common.messages import GenerationParams, RemotePrefill
+from services.common.messages import GenerationParams, PrefillRequest, RequestError
 from services.common.pb import splitstack_pb2 as pb
 
 
@@ -79,9 +79,11 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
     sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                               seed=req.seed if req.has_seed else None,
                               **processing_from(req))
+    prefill, replay_ratio = options_from_proto(req.prefill)
     return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
                             stop_token_ids=tuple(req.stop_token_ids),
-                            ignore_eos=req.ignore_eos,
+                            ignore_eos=req.ignore_eos, prefill=prefill,
+                            replay_ratio=replay_ratio,
                             logprobs=req.logprobs if req.has_logprobs else None,
                             min_tokens=req.min_tokens,
                             prompt_logprobs=(req.prompt_logprobs if req.has_prompt_logprobs
@@ -89,7 +91,6 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
 
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
-    """`params.prefill` is a `RemotePrefill` (or None) here: the gateway holds no model."""
     s = params.sampling
     return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                               temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -125,7 +126,8 @@ def prompt_logprobs_from(ev: pb.GenerateEvent) -> list[TokenLogprob] | None:
 
 
 # ---- prefill options (attention service -> prefill replica) ------------------------------
-def options_to_proto(prefill: RemotePrefill | None, replay_ratio: float | None) -> pb.PrefillOptions:
+def options_to_proto(prefill: PrefillRequest | None,
+                     replay_ratio: float | None) -> pb.PrefillOptions:
     opts = pb.PrefillOptions()
     if prefill is not None:
         opts.mode = prefill.mode or ""
@@ -136,6 +138,16 @@ def options_to_proto(prefill: RemotePrefill | None, replay_ratio: float | None) 
     return opts
 
 
-def asks_for_prefill(opts: pb.PrefillOptions) -> bool:
-    """Whether the options need a prefill service (exact prefill without one is fine)."""
-    return opts.mode not in ("", "exact") or bool(opts.ridgefill_json)
+def options_from_proto(opts: pb.PrefillOptions) -> tuple[PrefillRequest | None, float | None]:
+    """-> (the request's prefill fields, its replay ratio), still unresolved. Raises
+    `RequestError` for a `ridgefill` object that is not JSON."""
+    overrides = None
+    if opts.ridgefill_json:
+        try:
+            overrides = json.loads(opts.ridgefill_json)
+        except json.JSONDecodeError as err:
+            raise RequestError("ridgefill", opts.ridgefill_json,
+                               f"ridgefill is not valid JSON: {err}") from err
+    prefill = (PrefillRequest(opts.mode or None, overrides)
+               if opts.mode or overrides is not None else None)
+    return prefill, opts.replay_ratio if opts.has_replay_ratio else None

@@ -1,6 +1,6 @@
 """The types that cross a boundary: what a request asks for (`GenerationParams`), what a
 step gives back (`StepOutput`), a prompt prefilled for decode elsewhere (`PromptExport`), a
-request's prefill fields for a prefill service elsewhere (`RemotePrefill`), what a pool
+request's prefill fields as the client gave them (`PrefillRequest`), what a pool
 stage call returns (`StageOutput`), and the refusal every layer raises (`RequestError`).
 Every service may import this module; it imports nothing of ours beyond `kernels` and
 `models`."""
@@ -12,6 +12,8 @@ import torch
 
 from kernels.sampling import MAX_LOGPROBS, History, SamplingParams, top_logprobs
 from models.gdn import GDNInputs
+
+PREFILL_MODES = ("exact", "ridgefill")
 
 
 class RequestError(ValueError):
@@ -60,7 +62,8 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logits: bool = False     # keep each sampled position's logits (tests, evals)
-    prefill: object | None = None   # FillSettings: the prefill service prefills the prompt
+    prefill: PrefillRequest | None = None  # the request's prefill fields, unresolved: the
+                                           # engine that owns the prompt's prefill resolves them
     replay_ratio: float | None = None  # Tail-Replay r on a prefix-cache hit (None: the engine's)
     export_prompt: bool = False     # hand the prompt's KV, GDN states and logits back (the
                                     # prefill service's engine: decode continues elsewhere)
@@ -86,10 +89,6 @@ class GenerationParams:
             if k is not None and (isinstance(k, bool) or not isinstance(k, int)
                                   or not 0 <= k <= MAX_LOGPROBS):
                 raise RequestError(name, k, f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None and self.prefill is not None:
-            raise RequestError("prompt_logprobs", self.prompt_logprobs,
-                               "needs the exact prefill: RidgeFill computes only some prompt "
-                               "rows through the upper layers")
 
     def history(self, prompt: list[int], output: list[int], eos: tuple[int, ...]) -> History:
         """What sampling reads of a request at this step: its tokens, and before
@@ -140,11 +139,23 @@ class PromptExport:
 
 
 @dataclass(frozen=True)
-class RemotePrefill:
-    """A request's prefill fields as the client gave them, for a prefill service in another
-    process to resolve (the disaggregated deployment's gateway holds no model)."""
+class PrefillRequest:
+    """A request's prefill fields as the client gave them (`prefill_mode`, the `ridgefill`
+    object). They travel unchecked to the engine that owns the prompt's prefill (the
+    embedded engine, or a prefill replica) and are resolved there, once, against its
+    prefill service's defaults (`PrefillService.resolve`)."""
     mode: str | None = None
-    overrides: object = None          # the `ridgefill` object, unchecked
+    overrides: object = None          # the `ridgefill` object, checked when resolved
+
+    def __post_init__(self):
+        if self.mode is not None and self.mode not in PREFILL_MODES:
+            raise RequestError("prefill_mode", self.mode,
+                               f"must be one of {PREFILL_MODES}")
+
+    @property
+    def asks_for_fill(self) -> bool:
+        """Whether they need a RidgeFill prefill service (exact prefill needs none)."""
+        return self.mode not in (None, "exact") or bool(self.overrides)
 
 
 @dataclass

@@ -25,7 +25,7 @@ calls UNAVAILABLE, which its callers treat as its death, and exits; the pool man
 a replacement. SIGTERM to a member's process drains it (`services.common.sigterm`).
 
 Ray stays on loopback when `RAY_ENV` is in the environment of the process that starts it
-(ENVIRONMENT.md); never `ray stop` — `shutdown()` ends only what this driver started.
+(Ray binds every interface and advertises the external address otherwise); never `ray stop` — `shutdown()` ends only what this driver started.
 """
 from __future__ import annotations
 
@@ -211,14 +211,14 @@ class PrefillReplica:
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
                            device="cuda" if c.use_gpu else "cpu").quantize(c.quantization)
         registry = CollectorRegistry()
-        self.engine, service = build_engine(model, c.model, c.prefill, registry)
+        self.engine, _ = build_engine(model, c.model, c.prefill, registry)
         self.nccl = None
         if c.transport == "nccl":      # KV and states go to the attention services over NCCL
             from services.common.nccl_transport import NcclEndpoint
 
             self.nccl = NcclEndpoint()
         self.server, bound, self.loop = serve_prefill(
-            self.engine, service, registry, f"{c.host}:0", name, nccl=self.nccl,
+            self.engine, registry, f"{c.host}:0", name, nccl=self.nccl,
             security=c.security, faults=FaultPlan.parse(c.fault_inject, name),
             on_dead=lambda dead: exit_soon(name, str(dead)))
         self.addr = _advertised(bound)

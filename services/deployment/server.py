@@ -36,12 +36,11 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
 
         use_cache_dir()
     registry = CollectorRegistry()
-    engine, service = build_engine(model, model_dir, options, registry)
+    engine, _ = build_engine(model, model_dir, options, registry)
     backend = EngineBackend(engine, FaultPlan.from_env())     # read once, at start
     gateway = Gateway(backend, load_tokenizer(model_dir),
                       served_name or model_dir.name, engine.max_model_len,
-                      default_temperature(model_dir), prefill_service=service,
-                      metrics=GatewayMetrics(registry))
+                      default_temperature(model_dir), metrics=GatewayMetrics(registry))
     return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs)
 
 
@@ -77,8 +76,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                              prefill_addresses=cluster.prefill_addresses,
                              pool_addresses=cluster.pool_addresses, security=config.security)
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
-                      cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
-                      remote_prefill=bool(cluster.prefill_addresses))
+                      cluster.max_model_len, default_temperature(model_dir), metrics=metrics)
     slots = config.max_num_seqs * config.attention_shards
     app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots)
     placement = RayPlacement(cluster)

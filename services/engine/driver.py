@@ -1,7 +1,7 @@
 """Drives an engine's `step()` on its own thread; other threads submit and abort.
 
 Contract: the driver thread is the only code that touches the engine (an `LLMEngine`:
-`add_request`, `abort`, `has_unfinished`, `step`, `pop`). A submitted request is validated
+`add_request`, `abort`, `has_work`, `step`, `pop`). A submitted request is validated
 on that thread, so a refused one raises in the caller and costs nothing; `abort` frees a
 request's KV at the next step boundary. Subclasses say how a `StepOutput` reaches its
 caller (`_send`) and how a caller learns the engine died (`_send_dead`).
@@ -65,6 +65,10 @@ class StepDriver:
             raise job.error
         return job.result
 
+    def wake(self) -> None:
+        """Let an idle loop look again (a prompt's prefill elsewhere arrived); any thread."""
+        self.commands.put(("noop", None))
+
     def kill(self, cause: BaseException) -> None:
         """Make the step loop fail stop with `cause` at its next command (a replica whose
         other part failed: an injected `prefill` fault)."""
@@ -106,6 +110,7 @@ class StepDriver:
         if kind == "add":   # arg: a submission: prompt_ids, params, extra, done, error
             try:
                 arg.seq_id = self.engine.add_request(arg.prompt_ids, arg.params, **arg.extra)
+                arg.fill = self.engine.seqs[arg.seq_id].fill
                 self.streams[arg.seq_id] = arg
             except Exception as exc:  # noqa: BLE001 — RequestError and friends: the caller's
                 arg.error = exc
@@ -139,7 +144,7 @@ class StepDriver:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            block = not self.engine.has_unfinished()
+            block = not self.engine.has_work()
             try:
                 while True:
                     kind, arg = self.commands.get(block=block, timeout=0.5 if block else None)
@@ -147,7 +152,7 @@ class StepDriver:
                     block = False
             except queue.Empty:
                 pass
-            if not self.engine.has_unfinished():
+            if not self.engine.has_work():
                 continue
             start = time.perf_counter()
             self._fault.hit()
@@ -203,6 +208,7 @@ class Submission:
     done: threading.Event = field(default_factory=threading.Event)
     seq_id: int | None = None
     error: Exception | None = None
+    fill: object = None                 # the resolved RidgeFill settings (None: exact)
 
 
 class QueueDriver(StepDriver):

@@ -13,8 +13,10 @@ runner of an attention service (`services.attention.runner`), built by `runner` 
 cache layout the engine's allocators hand out. With a `prefix_cache` (monolithic only),
 admitted prompts start after their cached prefix (restored by `prefix.PrefixReuse` before
 the step runs) and completed prompts are stored. A prompt prefilled elsewhere
-(`add_request(..., prefilled=export)`) is installed by the runner on admission and its
-first token sampled from the export's logits.
+(`add_request(..., prefilled=export)`, or `remote=` while that prefill is in flight: the
+WAITING_FOR_REMOTE_KVS state) and a prompt this engine's RidgeFill prefill service prefills
+are installed the same way, by the runner on admission, the first token sampled from the
+export's logits. A request's prefill fields are resolved once, in `validate`.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ import torch
 
 from kernels.sampling import sample
 from models.model import CausalLM
-from services.common.messages import (GenerationParams, PromptExport, RequestError,
-                                      StepOutput, check_prompt_ids, check_request)
+from services.common.messages import (GenerationParams, PrefillRequest, PromptExport,
+                                      RequestError, StepOutput, check_prompt_ids,
+                                      check_request)
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
 from services.engine.prefix import PrefixReuse
@@ -54,6 +57,7 @@ class EngineConfig:
     attention_backend: str | None = None
     compile_decode: bool = False         # decode-only steps as compiled graphs (CPU, dense FA)
     compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # batch sizes with a graph
+    remote_prefill_timeout_s: float = 600.0   # a prompt prefilled elsewhere fails after this
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -94,7 +98,7 @@ class LLMEngine:
             if prefix_cache is not None:
                 if replay_overlap is None:
                     # a side stream overlaps the KV copy on a GPU; on CPU the copy thread only
-                    # takes cores from the replay (bench/tailreplay_ttft.py: slower there)
+                    # takes cores from the replay (bench/tail_replay/ttft.py: slower there)
                     replay_overlap = torch.device(model.device).type == "cuda"
                 replay = TailReplayConfig(replay_ratio, replay_overlap, ffn_skip)
                 self.prefix = PrefixReuse(prefix_cache, model, self.cache, replay)
@@ -128,9 +132,12 @@ class LLMEngine:
         return tuple(kept)
 
     # ---- requests ------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: GenerationParams) -> None:
-        """Refuse what this engine can never run. Reads only fixed sizes, so any thread may
-        call it (an attention service checks a request before paying for its prefill)."""
+    def validate(self, prompt_ids: list[int], params: GenerationParams, remote: bool = False):
+        """Refuse what this engine can never run; returns the prompt's resolved fill
+        settings (None: exact). `remote`: the prompt is prefilled elsewhere, whose engine
+        resolves its prefill fields. Reads only fixed sizes and the prefill service's
+        settings, so any thread may call it (an attention service checks a request before
+        paying for its prefill)."""
         check_request(prompt_ids, params, self.model.config.vocab_size)
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_model_len:
@@ -141,27 +148,49 @@ class LLMEngine:
             raise RequestError("max_tokens", params.max_tokens,
                                f"needs {self.blocks.blocks_for(total)} KV blocks, the cache "
                                f"has {self.blocks.num_blocks}")
-        if params.prefill is not None:
-            if self.prefill_service is None:
-                raise RequestError("prefill_mode", "ridgefill", "this engine has no prefill "
-                                   "service")
-            try:
-                self.prefill_service.check(params.prefill, len(prompt_ids))
-            except ValueError as err:
-                raise RequestError("ridgefill", params.prefill, str(err)) from err
+        if remote and params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs", params.prompt_logprobs,
+                               "the prompt's log-probs need this engine's own prefill; this "
+                               "deployment prefills on prefill replicas")
+        fill = None if remote else self._resolve_fill(params.prefill, len(prompt_ids))
+        if params.prompt_logprobs is not None and fill is not None:
+            raise RequestError("prompt_logprobs", params.prompt_logprobs,
+                               "needs the exact prefill: RidgeFill computes only some prompt "
+                               "rows through the upper layers")
         if params.export_prompt and self.cache is None:
             raise RequestError("export_prompt", True, "needs the monolithic runner")
+        return fill
+
+    def _resolve_fill(self, request: PrefillRequest | None, n: int):
+        """The one place a request's prefill fields are checked: -> the `FillSettings` its
+        prompt is prefilled with by this engine's prefill service (the server's defaults
+        with the request's overrides), or None for the engine's own exact prefill."""
+        if self.prefill_service is None:
+            if request is not None and request.asks_for_fill:
+                raise RequestError("prefill_mode" if request.mode not in (None, "exact")
+                                   else "ridgefill", request.mode or request.overrides,
+                                   "this server has no RidgeFill prefill service (start it "
+                                   "with --maps)")
+            return None
+        mode, overrides = (request.mode, request.overrides) if request else (None, None)
+        try:
+            return self.prefill_service.resolve(mode, overrides, n)
+        except ValueError as err:        # FillError, MapsError: a message naming the setting
+            raise RequestError("ridgefill", overrides, str(err)) from err
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
                     seq_id: int | None = None, prefilled: PromptExport | None = None,
-                    output_ids: list[int] = ()) -> int:
+                    output_ids: list[int] = (), remote=None) -> int:
         """`prefilled`: the prompt's KV, GDN states and logits, prefilled elsewhere (a
         prefill replica); stored on admission, and the first token sampled from the logits.
+        `remote`: that prefill, still in flight (`done()`, `result()` -> `PromptExport`,
+        `cancel()`): the request waits in WAITING_FOR_REMOTE_KVS until it arrives (or
+        fails, or `remote_prefill_timeout_s` passes), then goes on as with `prefilled`.
         `output_ids`: tokens this request already generated elsewhere (a migrated request):
         they are prefilled with the prompt and count as output (`max_tokens`, penalties,
         `min_tokens`, stop checks), and a seeded sampler skips their draws, so the request
         continues exactly as an uninterrupted run would."""
-        self.validate(prompt_ids, params)
+        fill = self.validate(prompt_ids, params, remote=remote is not None)
         output_ids = list(output_ids)
         if output_ids:
             check_prompt_ids(output_ids, self.model.config.vocab_size, "output_ids")
@@ -176,7 +205,10 @@ class LLMEngine:
         if seq_id in self.seqs:
             raise RequestError("seq_id", seq_id, "is already in use")
         seq = Sequence(seq_id, list(prompt_ids), params, output_ids=output_ids,
-                       prefilled=prefilled)
+                       prefilled=prefilled, fill=None if prefilled is not None else fill,
+                       remote=remote)
+        if remote is not None:
+            seq.status = Status.WAITING_FOR_REMOTE_KVS
         seq.skip_draws(len(output_ids), self.model.config.vocab_size)
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
@@ -190,7 +222,38 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.scheduler.remote)
+
+    def has_work(self) -> bool:
+        """Whether a step now would do something: a request to schedule, or a prefill that
+        arrived (or timed out) elsewhere. A driver with none waits for a command or
+        `remote` completion instead of spinning."""
+        return self.scheduler.has_work() or any(self._remote_settled(s)
+                                                for s in self.scheduler.remote)
+
+    def _remote_settled(self, seq: Sequence) -> bool:
+        return (seq.remote.done() or time.monotonic() - seq.arrival_s
+                > self.config.remote_prefill_timeout_s)
+
+    def _collect_remote(self) -> list[StepOutput]:
+        """Requests whose prefill arrived from elsewhere queue for admission with it; those
+        whose prefill failed or timed out fail."""
+        failed = []
+        for seq in [s for s in self.scheduler.remote if self._remote_settled(s)]:
+            remote, seq.remote = seq.remote, None
+            seq.remote_s = time.monotonic() - seq.arrival_s
+            if not remote.done():
+                remote.cancel()
+                failed.append(self._fail(seq, "the prefill elsewhere did not finish in "
+                                              f"{self.config.remote_prefill_timeout_s:.0f} s"))
+                continue
+            try:
+                seq.prefilled = remote.result()
+            except Exception as exc:  # noqa: BLE001 — fails this request only
+                failed.append(self._fail(seq, f"{type(exc).__name__}: {exc}"))
+                continue
+            self.scheduler.remote_done(seq)
+        return failed
 
     def pop(self, seq_id: int) -> Sequence:
         """Forget a finished sequence (the caller has read its outputs)."""
@@ -202,19 +265,19 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        failed = self._collect_remote() if self.scheduler.remote else []
         out = self.scheduler.schedule()
         if out.empty:
-            return []
+            return failed
         now = time.monotonic()
         for c in out.prefill:
             if c.seq.scheduled_s is None:
                 c.seq.scheduled_s = now
-        failed: list[StepOutput] = []
         if self.prefix is not None:
-            failed = [self._fail(seq, f"{type(exc).__name__}: {exc}")
-                      for seq, exc in self.prefix.begin(out.prefill)]
+            failed += [self._fail(seq, f"{type(exc).__name__}: {exc}")
+                       for seq, exc in self.prefix.begin(out.prefill)]
         whole = [c for c in out.prefill if c.start == 0 and not c.seq.finished
-                 and (c.seq.prefilled is not None or c.seq.params.prefill is not None)]
+                 and (c.seq.prefilled is not None or c.seq.fill is not None)]
         failed += self._prefill_out_of_band(whole)
         out = SchedulerOutput([c for c in out.decode if not c.seq.finished],
                               [c for c in out.prefill if not c.seq.finished], out.preempted)
@@ -271,20 +334,19 @@ class LLMEngine:
                 and c.start + c.length >= len(c.seq.prompt_ids)}
 
     def _prefill_out_of_band(self, chunks: list[ScheduledChunk]) -> list[StepOutput]:
-        """Whole prompts: one prefilled elsewhere is installed by the runner; otherwise the
-        prefill service prefills it into this cache. Each chunk then carries its logits."""
+        """Whole prompts, installed one way: a prompt prefilled elsewhere (a prefill
+        replica's export), or one this engine's prefill service prefills now (RidgeFill),
+        goes into the cache through the runner's `install`, whichever runner it is. Each
+        chunk then carries its logits."""
         failed = []
         for c in chunks:
             seq = c.seq
             try:
-                if seq.prefilled is not None:
-                    export, seq.prefilled = seq.prefilled, None   # recomputed if preempted
-                    self.runner.install(seq.block_table, seq.state_slot, export)
-                    c.logits = export.logits
-                else:
-                    res = self.prefill_service.prefill(seq.tokens, seq.params.prefill)
-                    res.write(self.cache, seq.block_table, seq.state_slot)
-                    c.logits = res.logits[-1]
+                export, seq.prefilled = seq.prefilled, None   # recomputed if preempted
+                if export is None:
+                    export = self.prefill_service.prefill(seq.tokens, seq.fill).export()
+                self.runner.install(seq.block_table, seq.state_slot, export)
+                c.logits = export.logits
             except Exception as exc:  # fails this request only
                 log.exception("prefill failed")
                 failed.append(self._fail(seq, f"{type(exc).__name__}: {exc}"))
@@ -312,10 +374,10 @@ class LLMEngine:
             result = StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
                                 export=export, top_logprobs=seq.params.top_logprobs(logits),
                                 prompt_logprobs=prompt)
-            if seq.first_token_s is None:
+            if seq.first_token_s is None:      # a prefill elsewhere counts as prefill
                 seq.first_token_s = time.monotonic()
-                result.queue_s = seq.scheduled_s - seq.arrival_s
-                result.prefill_s = seq.first_token_s - seq.scheduled_s
+                result.queue_s = seq.scheduled_s - seq.arrival_s - seq.remote_s
+                result.prefill_s = seq.first_token_s - seq.scheduled_s + seq.remote_s
             results.append(result)
         return results
 
@@ -328,6 +390,9 @@ class LLMEngine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.remote is not None:          # aborted while its prompt was on its way
+            seq.remote.cancel()
+            seq.remote = None
         self.scheduler.remove(seq)
         if self.prefix is not None:
             self.prefix.forget(seq)

@@ -19,7 +19,7 @@ pins. It is called from the engine thread only; its two worker threads touch onl
 handed to them and the thread-safe `PrefixCache`. A cache failure never fails a request:
 lookups degrade to a miss and failed inserts are logged.
 
-Sequences prefilled by the RidgeFill prefill service (`params.prefill`) bypass the cache:
+Sequences prefilled by the RidgeFill prefill service (`seq.fill`) bypass the cache:
 the service computes their whole prompt, and their rows are not inserted (they would need
 the service's hiddens and per-row provenance; TODO(issue 6): insert them as FILLED rows).
 Rows computed after a replayed hit carry the replay's approximation and are stored like any
@@ -64,7 +64,7 @@ class PrefixReuse:
 
     @staticmethod
     def uses(seq: Sequence) -> bool:
-        return seq.params.prefill is None
+        return seq.fill is None
 
     def ratio(self, seq: Sequence) -> float:
         r = seq.params.replay_ratio

@@ -6,6 +6,10 @@ across steps, so decodes never stall behind it). Blocks and state slots are take
 schedule time; when a decode row cannot get a block, the newest running sequence is
 preempted (its blocks and slot are freed and it is recomputed later).
 
+A request whose prompt is prefilled elsewhere waits in `remote` (WAITING_FOR_REMOTE_KVS,
+vLLM's state of that name) until the engine sees its prefill arrive (`remote_done`), then
+queues for admission with its KV to install.
+
 With a prefix cache, admission asks `cached_tokens(seq)` how many leading tokens the engine
 will restore from the cache (at most n − 1). Their blocks are taken with the first chunk's,
 `num_computed` starts there, and the chunk carries `cached` so the engine writes those rows
@@ -64,8 +68,18 @@ class Scheduler:
         self.max_prefill_chunk = max_prefill_chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.remote: list[Sequence] = []     # WAITING_FOR_REMOTE_KVS, not schedulable yet
 
     def add(self, seq: Sequence) -> None:
+        if seq.status is Status.WAITING_FOR_REMOTE_KVS:
+            self.remote.append(seq)
+        else:
+            self.waiting.append(seq)
+
+    def remote_done(self, seq: Sequence) -> None:
+        """`seq`'s prompt arrived from elsewhere: it waits for admission like any other."""
+        self.remote.remove(seq)
+        seq.status = Status.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -86,6 +100,8 @@ class Scheduler:
             self.release(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.remote:
+            self.remote.remove(seq)
 
     def _preempt_newest(self, out: SchedulerOutput, protect: Sequence) -> bool:
         for victim in reversed(self.running):

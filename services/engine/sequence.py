@@ -12,6 +12,8 @@ from services.common.messages import GenerationParams, PromptExport
 
 
 class Status(enum.Enum):
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"   # its prompt is being prefilled
+                                                        # elsewhere (a prefill replica)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -35,6 +37,11 @@ class Sequence:
     generator: torch.Generator | None = None
     prefilled: PromptExport | None = None   # its prompt, prefilled elsewhere (installed
                                             # on admission, then dropped)
+    fill: object | None = None     # FillSettings: the engine's prefill service prefills the
+                                   # prompt (RidgeFill), resolved once by `LLMEngine.validate`
+    remote: object | None = None   # WAITING_FOR_REMOTE_KVS: the prefill in flight elsewhere
+                                   # (`done()`, `result()` -> PromptExport, `cancel()`)
+    remote_s: float = 0.0          # how long it waited for that prefill
     arrival_s: float = field(default_factory=time.monotonic)   # add_request
     scheduled_s: float | None = None       # its first scheduling (not reset by preemption)
     first_token_s: float | None = None     # its first token in this engine
@@ -72,7 +79,7 @@ class Sequence:
         """The prompt is prefilled in one piece (by the prefill service, or already
         elsewhere), not in chunks."""
         return self.num_computed == 0 and (self.prefilled is not None
-                                           or self.params.prefill is not None)
+                                           or self.fill is not None)
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,7 @@ from services.gateway.logprobs import TokenLogprob, TokenText
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
 from services.gateway.stops import StopStrings
-from services.common.messages import EngineDeadError, RemotePrefill
+from services.common.messages import EngineDeadError, PrefillRequest
 
 
 class Gateway:
@@ -27,13 +27,10 @@ class Gateway:
     services over gRPC)."""
 
     def __init__(self, backend: EngineClient, tokenizer, model_name: str, max_model_len: int,
-                 default_temperature: float = 1.0, prefill_service=None,
-                 metrics: GatewayMetrics | None = None, remote_prefill: bool = False):
-        """`prefill_service`: resolves RidgeFill fields here (embedded engine);
-        `remote_prefill`: they travel as given and the prefill service checks them."""
+                 default_temperature: float = 1.0, metrics: GatewayMetrics | None = None):
+        """A request's prefill fields travel as given (`PrefillRequest`): the engine that
+        owns its prefill checks them."""
         self.backend = backend
-        self.prefill_service = prefill_service
-        self.remote_prefill = remote_prefill
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.words = TokenText(tokenizer)
@@ -78,7 +75,7 @@ class Gateway:
                                     min_tokens=req.min_tokens or 0,
                                     prompt_logprobs=req.prompt_logprobs_k(),
                                     stop_token_ids=tuple(req.stop_token_ids or ()),
-                                    prefill=self.prefill_settings(req, prompt_len),
+                                    prefill=prefill_request(req),
                                     replay_ratio=req.replay_ratio)
         except (SamplingError, RequestError) as exc:
             raise APIError(400, str(exc), getattr(exc, "field", None)) from exc
@@ -96,23 +93,6 @@ class Gateway:
         return [params if seed is None else
                 replace(params, sampling=replace(params.sampling, seed=_next_seed(seed, i)))
                 for i in range(count)]
-
-    def prefill_settings(self, req: _Common, prompt_len: int):
-        if self.remote_prefill:
-            if req.prefill_mode is None and req.ridgefill is None:
-                return None
-            return RemotePrefill(req.prefill_mode, req.ridgefill)
-        if self.prefill_service is None:
-            if req.prefill_mode not in (None, "exact") or req.ridgefill:
-                raise APIError(400, "this server has no RidgeFill prefill service (start it "
-                                    "with --maps)",
-                               "ridgefill" if req.prefill_mode in (None, "exact")
-                               else "prefill_mode")
-            return None
-        try:
-            return self.prefill_service.resolve(req.prefill_mode, req.ridgefill, prompt_len)
-        except ValueError as exc:
-            raise APIError(400, str(exc), "ridgefill") from exc
 
     def completion_ids(self, req: CompletionRequest) -> list[list[int]]:
         """Each prompt of the batch as token ids."""
@@ -206,6 +186,12 @@ class Gateway:
         if step.queue_s is not None:
             self.metrics.queue_time.observe(step.queue_s)
             self.metrics.prefill_time.observe(step.prefill_s)
+
+
+def prefill_request(req: _Common) -> PrefillRequest | None:
+    if req.prefill_mode is None and req.ridgefill is None:
+        return None
+    return PrefillRequest(req.prefill_mode, req.ridgefill)
 
 
 class Delta(NamedTuple):

@@ -26,6 +26,7 @@ from kernels.attention import get_backend
 from models.config import FULL_ATTENTION
 from models.gdn import GDNInputs, map_inputs
 from models.model import CausalLM
+from services.common.messages import PromptExport
 from services.prefill.fill_layers import FillLayers
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import RidgeMaps, context_features
@@ -45,19 +46,21 @@ class PrefillResult:
     exact_rows: torch.Tensor | None = None     # positions run through every layer
     num_filled: int = 0
 
-    def write(self, cache, block_table: list[int], state_slot: int | None) -> None:
-        """Store into an engine `CacheStorage`: KV at the prompt's slots, GDN states."""
-        n = next(iter(self.k.values())).shape[0] if self.k else 0
-        slots = cache.token_slots(block_table, n)
+    def export(self) -> PromptExport:
+        """The prompt as every engine installs a prefilled one (`Runner.install`): KV of
+        the full-attention layers and GDN states in layer order, the last row's logits."""
         for l in self.k:
             if not bool(self.valid[l].all()):
                 raise FillError("a no-fill prefill leaves keys missing; it is an eval arm "
                                 "and cannot be served")
-            cache.write_kv(l, slots, self.k[l], self.v[l])
-        for l in self.conv:
-            gi = cache.gdn_index[l]
-            cache.conv[gi, state_slot] = self.conv[l]
-            cache.recurrent[gi, state_slot] = self.recurrent[l]
+        fa = sorted(self.k)
+        kv = torch.stack([torch.stack([self.k[l], self.v[l]]) for l in fa])  # [F, 2, N, KV, D]
+        conv = rec = None
+        if self.conv:
+            gdn = sorted(self.conv)
+            conv = torch.stack([self.conv[l] for l in gdn])
+            rec = torch.stack([self.recurrent[l] for l in gdn])
+        return PromptExport(kv, conv, rec, None if self.logits is None else self.logits[-1])
 
 
 class RidgeFill:

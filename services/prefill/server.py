@@ -26,7 +26,6 @@ cannot interleave on it; a transfer nobody pulls is dropped after `TRANSFER_TTL_
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import time
 
@@ -39,14 +38,14 @@ from models.config import ModelConfig
 from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.codec import from_proto, to_proto
+from services.common.codec import from_proto, options_from_proto, to_proto
 from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
 from services.common.messages import EngineDeadError
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.engine.driver import QueueDriver
 from services.engine import GenerationParams, LLMEngine, PromptExport
 from services.prefill.metrics import PREFILL_BUCKETS
-from services.prefill.service import PREFILL_MODES, PrefillService
+from services.prefill.service import PREFILL_MODES
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
                 ("grpc.max_receive_message_length", 512 << 20)]
@@ -69,33 +68,14 @@ class PrefillCancelled(Exception):
 
 
 # ---- request fields <-> proto ------------------------------------------------------------
-def prefill_params(opts: pb.PrefillOptions, num_tokens: int,
-                   service: PrefillService | None) -> GenerationParams:
-    """The one-token exporting request a `Prefill` call runs. Raises ValueError subclasses
-    (`RequestError`, `FillError`, `MapsError`) naming what is wrong."""
-    overrides = None
-    if opts.ridgefill_json:
-        try:
-            overrides = json.loads(opts.ridgefill_json)
-        except json.JSONDecodeError as err:
-            raise PrefillRefused("ridgefill", f"ridgefill is not valid JSON: {err}") from err
-    mode = opts.mode or None
-    if mode not in (None, *PREFILL_MODES):
-        raise PrefillRefused("prefill_mode", f"prefill_mode must be one of {PREFILL_MODES}, "
-                                             f"got {mode!r}")
-    if service is None:
-        if mode not in (None, "exact") or overrides:
-            raise PrefillRefused("prefill_mode", "this deployment's prefill service has no "
-                                 "RidgeFill maps (start it with --maps)")
-        fill = None
-    else:
-        try:
-            fill = service.resolve(mode, overrides, num_tokens)
-        except ValueError as err:
-            raise PrefillRefused("ridgefill", str(err)) from err
+def prefill_params(opts: pb.PrefillOptions) -> GenerationParams:
+    """The one-token exporting request a `Prefill` call runs; its prefill fields are
+    resolved by the replica's engine on admission. Raises `RequestError` naming what is
+    wrong."""
+    prefill, replay_ratio = options_from_proto(opts)
     return GenerationParams(max_tokens=1, sampling=SamplingParams(temperature=0.0),
-                            ignore_eos=True, prefill=fill, export_prompt=True,
-                            replay_ratio=opts.replay_ratio if opts.has_replay_ratio else None)
+                            ignore_eos=True, prefill=prefill, export_prompt=True,
+                            replay_ratio=replay_ratio)
 
 
 def export_events(export: PromptExport, cfg: ModelConfig, encode=to_proto):
@@ -146,11 +126,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     TRANSFER_TTL_S = 120.0
 
-    def __init__(self, loop: QueueDriver, name: str, service: PrefillService | None = None,
-                 registry=None, nccl=None, faults: FaultPlan = NO_FAULTS):
+    def __init__(self, loop: QueueDriver, name: str, registry=None, nccl=None,
+                 faults: FaultPlan = NO_FAULTS):
         """`faults`: an injected `prefill` fault kills the replica's engine (fail stop: its
         calls end UNAVAILABLE and the attention services retry on another replica)."""
-        self.loop, self.name, self.service, self.nccl = loop, name, service, nccl
+        self.loop, self.name, self.nccl = loop, name, nccl
         self._fault = faults.point("prefill")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
@@ -193,8 +173,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         except InjectedFault as exc:
             self.loop.kill(exc)
         try:
-            params = prefill_params(request.options, len(ids), self.service)
-            sub = self.loop.submit(ids, params)
+            sub = self.loop.submit(ids, prefill_params(request.options))
         except ValueError as exc:       # RequestError, PrefillRefused, FillError, ...
             yield pb.PrefillEvent(ack=pb.PrefillAck(
                 refused=True, error=str(exc), error_field=getattr(exc, "field", None) or ""))
@@ -214,7 +193,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         self.prefills += 1
         self.prompt_tokens.inc(len(ids))
         ready = time.perf_counter()
-        mode = "exact" if params.prefill is None else "ridgefill"
+        mode = "exact" if sub.fill is None else "ridgefill"
         self.request_seconds.labels(mode).observe(ready - start)
         if request.nccl_peer:
             from services.common.nccl_transport import meta
@@ -274,7 +253,7 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
         return pb.ProbeReply(resident_tokens=self.cache.resident_tokens(list(request.tokens)))
 
 
-def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, registry=None,
+def serve_prefill(engine: LLMEngine, registry=None,
                   address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64,
                   nccl=None, security: GrpcSecurity = INSECURE, faults: FaultPlan = NO_FAULTS,
                   on_dead=None):
@@ -286,7 +265,7 @@ def serve_prefill(engine: LLMEngine, service: PrefillService | None = None, regi
     loop = QueueDriver(engine, f"{name}-steps", faults, on_dead)
     server = security.server(max_workers, options=GRPC_OPTIONS)
     pb_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(loop, name, service, registry, nccl, faults), server)
+        PrefillServicer(loop, name, registry, nccl, faults), server)
     if engine.prefix is not None:
         pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
                                                   server)
@@ -315,6 +294,51 @@ class CancelHandle:
             self.call = call
             if self.cancelled:
                 call.cancel()
+
+
+class PendingPrefill:
+    """A prompt's prefill on a prefill replica, running on its own thread once a replica
+    acknowledged it: what an engine's request waits on in WAITING_FOR_REMOTE_KVS (`done`,
+    `result`, `cancel`; `add_done_callback` wakes the engine's step loop)."""
+
+    def __init__(self):
+        self.handle = CancelHandle()
+        self.acked = threading.Event()          # a replica took it (or it ended first)
+        self._done = threading.Event()
+        self._result: PromptExport | None = None
+        self._error: BaseException | None = None
+        self._callbacks: list = []
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> PromptExport:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+
+    def add_done_callback(self, fn) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def run(self, work) -> None:
+        try:
+            self._result = work()
+        except BaseException as exc:  # noqa: BLE001 — handed to whoever reads `result`
+            self._error = exc
+        with self._lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        self.acked.set()
+        for fn in callbacks:
+            fn()
 
 
 class _Replica:
@@ -415,8 +439,21 @@ class PrefillClient:
                     order.insert(0, best)
             return [replicas[i] for i in order]
 
+    def start(self, prompt_ids: list[int], options: pb.PrefillOptions) -> PendingPrefill:
+        """`prefill` on a thread of its own; returns once a replica acknowledged the prompt.
+        A refusal (`PrefillRefused`), or no replica taking it (`PrefillFailed`), raises
+        here; what fails after the acknowledgement is the pending prefill's `result`."""
+        pending = PendingPrefill()
+        threading.Thread(target=pending.run, daemon=True, name="prefill-call", args=(
+            lambda: self.prefill(prompt_ids, options, pending.handle, pending.acked.set),
+        )).start()
+        pending.acked.wait()
+        if pending.done():
+            pending.result()                # raises what ended it before a replica took it
+        return pending
+
     def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
-                cancel: CancelHandle | None = None) -> PromptExport:
+                cancel: CancelHandle | None = None, acked=None) -> PromptExport:
         request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options,
                                     nccl_peer=self.peer if self.links is not None else "")
         errors, tried = [], set()
@@ -437,7 +474,7 @@ class PrefillClient:
                 call = replica.stub.Prefill(request)
                 if cancel is not None:
                     cancel.attach(call)
-                return self._receive(call, len(prompt_ids), replica)
+                return self._receive(call, len(prompt_ids), replica, acked)
             except grpc.RpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.CANCELLED:
@@ -455,7 +492,8 @@ class PrefillClient:
                         replica.channel.close()
         raise PrefillFailed("no prefill replica is available (" + "; ".join(errors) + ")")
 
-    def _receive(self, call, n: int, replica: _Replica | None = None) -> PromptExport:
+    def _receive(self, call, n: int, replica: _Replica | None = None,
+                 acked=None) -> PromptExport:
         cfg = self.cfg
         events = iter(call)
         first = next(events, None)
@@ -464,6 +502,8 @@ class PrefillClient:
         ack = first.ack
         if ack.refused:
             raise PrefillRefused(ack.error_field, ack.error)
+        if acked is not None:
+            acked()
         fa = {l: i for i, l in enumerate(cfg.full_attention_layers)}
         gdn = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
         dev = self.device

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from models.model import CausalLM
+from services.common.messages import PREFILL_MODES
 from services.prefill.fill_layers import FILL_DTYPES, FillLayers, parse_fill_dtype
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import MapsError, RidgeMaps, load_unigram
 from services.prefill.ridgefill import PrefillResult, RidgeFill
 from services.prefill.settings import FillError, FillSettings
 
-PREFILL_MODES = ("exact", "ridgefill")
 OVERRIDABLE = ("split", "tail", "fill", "selector", "budget", "value_rescale", "key_rescale",
                "terminal_correction", "seed", "sink_rows", "lexical", "lexical_rank")
 
@@ -91,10 +91,9 @@ class PrefillService:
             return self._maps[split]
 
     def resolve(self, mode: str | None, overrides: dict | None, n: int) -> FillSettings | None:
-        """Request fields -> settings (None: exact). Raises FillError / MapsError."""
+        """Request fields (a `PrefillRequest`'s, whose mode is one of PREFILL_MODES) ->
+        settings (None: exact). Raises FillError / MapsError."""
         mode = mode or self.config.mode
-        if mode not in PREFILL_MODES:
-            raise FillError(f"prefill_mode must be one of {PREFILL_MODES}, got {mode!r}")
         if mode == "exact":
             if overrides:
                 raise FillError("ridgefill settings given with prefill_mode 'exact'")

@@ -55,7 +55,7 @@ def stack(tiny_checkpoint):
             registry = CollectorRegistry()
             engine, service = build_engine(model, path, EngineOptions(
                 kv_cache_bytes=8 << 20, prefix_cache_bytes=16 << 20), registry)
-            server, address, loop = serve_prefill(engine, service, registry,
+            server, address, loop = serve_prefill(engine, registry,
                                                   name=f"prefill-{i}", security=security)
             started.append((server, loop))
             prefill_addresses.append(address)

@@ -203,7 +203,7 @@ def nccl_prefill():
         engine, service = build_engine(model, path, EngineOptions(kv_cache_bytes=8 << 20),
                                        registry)
         server, address, loop = serve_prefill(
-            engine, service, registry, nccl=Endpoint({"attention-0": replica_end}) if nccl
+            engine, registry, nccl=Endpoint({"attention-0": replica_end}) if nccl
             else None)
         started.append((server, loop))
         return address, engine, cache_end, replica_end, registry

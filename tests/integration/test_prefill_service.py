@@ -22,7 +22,7 @@ from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.build import EngineOptions, build_engine
 from services.common.codec import options_to_proto
-from services.common.messages import RemotePrefill
+from services.common.messages import PrefillRequest
 from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
                                      PrefillFailed, PrefillRefused, serve_prefill)
 from tests.helpers.checkpoints import FAMILIES
@@ -40,7 +40,7 @@ def servers():
     def start(model, path, options=EngineOptions(kv_cache_bytes=8 << 20), name="prefill-0"):
         registry = CollectorRegistry()
         engine, service = build_engine(model, path, options, registry)
-        server, address, loop = serve_prefill(engine, service, registry, name=name)
+        server, address, loop = serve_prefill(engine, registry, name=name)
         started.append((server, loop))
         return address, engine, registry, server
 
@@ -133,10 +133,10 @@ def test_refusals_name_the_field(tiny_checkpoint, servers):
     address, engine, _, _ = servers(model, path)
     client = PrefillClient([address], model.config, model.dtype)
     with pytest.raises(PrefillRefused) as exc:      # no maps on this replica
-        client.prefill(prompts()[0], options_to_proto(RemotePrefill("ridgefill", None), None))
+        client.prefill(prompts()[0], options_to_proto(PrefillRequest("ridgefill", None), None))
     assert exc.value.field == "prefill_mode"
     with pytest.raises(PrefillRefused, match="must be one of") as exc:     # not "no maps"
-        client.prefill(prompts()[0], options_to_proto(RemotePrefill("fast", None), None))
+        client.prefill(prompts()[0], pb.PrefillOptions(mode="fast"))
     assert exc.value.field == "prefill_mode"
     with pytest.raises(PrefillRefused) as exc:
         client.prefill(prompts()[0], pb.PrefillOptions(has_replay_ratio=True,
@@ -159,7 +159,7 @@ def test_ridgefill_settings_checked_by_the_service(tiny_checkpoint, servers):
         kv_cache_bytes=8 << 20, prefill=PrefillConfig(mode="ridgefill", split=1, tail=4)))
     service = attention(model)
     client = PrefillClient([address], model.config, model.dtype)
-    opts = options_to_proto(RemotePrefill("ridgefill", {"fill": "identity", "tail": 4}), None)
+    opts = options_to_proto(PrefillRequest("ridgefill", {"fill": "identity", "tail": 4}), None)
     got = decode_prefilled(service, client, prompts((40,)), options=opts)
     assert len(got[0].output_ids) == PARAMS.max_tokens
     filled = sum(m.value for fam in registry.collect() for m in fam.samples
@@ -167,7 +167,7 @@ def test_ridgefill_settings_checked_by_the_service(tiny_checkpoint, servers):
     assert filled > 0
     with pytest.raises(PrefillRefused, match="selector"):
         client.prefill(prompts()[0], options_to_proto(
-            RemotePrefill("ridgefill", {"fill": "identity", "selector": "psychic"}), None))
+            PrefillRequest("ridgefill", {"fill": "identity", "selector": "psychic"}), None))
     no_leaks(engine, service)
 
 
@@ -234,7 +234,7 @@ def test_generate_over_grpc_with_prefill_service(tiny_checkpoint, servers):
             events = list(stub.Generate(params_to_proto(p, params)))
             assert [e.token for e in events if e.has_token] == r.output_ids
         bad = params_to_proto(prompts()[0], GenerationParams(
-            max_tokens=4, prefill=RemotePrefill("ridgefill", {"split": 2})))
+            max_tokens=4, prefill=PrefillRequest("ridgefill", {"split": 2})))
         first = next(iter(stub.Generate(bad)))
         assert first.refused and first.error_field == "prefill_mode"
     finally:

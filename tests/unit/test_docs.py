@@ -146,9 +146,6 @@ def user_pages() -> list[str]:
 GENERATED = {"services/common/pb/splitstack.proto"}
 # copies of deploy/ (`make chart-sync`), whose relative paths are checked at the source
 COPIES = "k8s/splitstack/files/"
-# stale references in files under other work now, each with the file that names it
-PENDING = {("services/engine/engine.py", "bench/tailreplay_ttft.py"),
-           ("services/deployment/ray_cluster.py", "ENVIRONMENT.md")}
 
 
 def test_no_issue_numbers():
@@ -179,8 +176,7 @@ def test_named_paths_exist():
     missing = {n: doc_checks.missing_paths(t, exists_from(n), names)
                for n, t in texts().items() if not n.startswith(COPIES)}
     missing = {(n, p) for n, ps in missing.items() for p in ps}
-    assert not missing - PENDING, sorted(missing - PENDING)
-    assert PENDING <= missing, f"no longer missing, drop from PENDING: {PENDING - missing}"
+    assert not missing, sorted(missing)
 
 
 def test_commit_hashes_are_in_the_history():

@@ -6,7 +6,9 @@ import torch
 
 from kernels.sampling import History, SamplingParams, process_logits
 from models import load_model
+from services.common.messages import PrefillRequest
 from services.engine import EngineConfig, GenerationParams, LLMEngine, RequestError
+from services.prefill.service import PrefillService
 from tests.helpers.checkpoints import FAMILIES
 
 GREEDY_31 = GenerationParams(max_tokens=31, ignore_eos=True, return_logits=True)
@@ -341,6 +343,15 @@ def test_prompt_logprobs_over_chunks_and_preemption_match_the_full_forward(tiny_
         assert eng.blocks.num_free == eng.blocks.num_blocks
 
 
-def test_prompt_logprobs_need_the_exact_prefill():
+def test_prompt_logprobs_need_the_exact_prefill(tiny_checkpoint):
+    """The engine resolves a request's prefill fields; one that RidgeFill prefills cannot
+    give the prompt's log-probs."""
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    engine = LLMEngine(model, EngineConfig(num_blocks=32), prefill_service=PrefillService(model))
+    filled = PrefillRequest("ridgefill", {"fill": "identity", "split": 1, "tail": 4})
     with pytest.raises(RequestError, match="exact prefill"):
-        GenerationParams(prompt_logprobs=1, prefill=object())
+        engine.add_request(list(range(1, 40)), GenerationParams(prompt_logprobs=1,
+                                                                prefill=filled))
+    engine.add_request(list(range(1, 40)), GenerationParams(
+        prompt_logprobs=1, prefill=PrefillRequest("exact")))

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from evals.ridgefill_arms import SplicedFill, greedy_from_prefill, map_cost_ratio
+from services.common.messages import PrefillRequest
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.prefill.capture import exact_pass
 from services.prefill.maps import MapsError, RidgeMaps, context_features
@@ -414,11 +415,11 @@ def test_bad_settings_fail_before_work(four_layer, monkeypatch):
         with pytest.raises(FillError, match=field if field == "lexical" else "budget"):
             svc.resolve("ridgefill", {field: float("nan")}, 100)
     with pytest.raises(ValueError, match="prefill_mode"):
-        svc.resolve("fast", None, 100)
+        PrefillRequest("fast")
     engine = LLMEngine(model, EngineConfig(num_blocks=32), prefill_service=svc)
     with pytest.raises(ValueError, match="split"):
         engine.add_request(prompt(40), GenerationParams(
-            prefill=FillSettings(split=7, tail=4)))
+            prefill=PrefillRequest("ridgefill", {"split": 7, "tail": 4})))
     assert not calls and not engine.has_unfinished()
 
 
@@ -445,14 +446,14 @@ def test_served_ridgefill_matches_the_eval_decode_and_frees_blocks(four_layer):
         engine = LLMEngine(model, EngineConfig(num_blocks=48, max_prefill_chunk=32,
                                                max_num_batched_tokens=64), prefill_service=svc)
         prompts = [prompt(130, seed=8), prompt(60, seed=9), prompt(100, seed=10)]
-        rf = svc.resolve(None, None, 130)
+        rf = svc.resolve(None, None, 130)          # the server's default: RidgeFill
         params = [GenerationParams(max_tokens=6, ignore_eos=True, prefill=p)
-                  for p in (rf, None, rf)]
+                  for p in (None, PrefillRequest("exact"), None)]
         seqs = engine.generate(prompts, params)
         for ids, seq, p in zip(prompts, seqs, params):
-            if p.prefill is None:
+            if p.prefill is not None:
                 continue
-            res = svc.prefill(ids, p.prefill)
+            res = svc.prefill(ids, rf)
             assert seq.output_ids == greedy_from_prefill(model, res, len(ids), 6)
         plain = LLMEngine(model, EngineConfig(num_blocks=48)).generate(
             [prompts[1]], GenerationParams(max_tokens=6, ignore_eos=True))[0]

@@ -296,7 +296,7 @@ def test_no_blocks_or_pins_leak_after_hits_aborts_and_failures(checkpoint, monke
 
 
 def test_ridgefill_prompts_bypass_the_cache(checkpoint):
-    from services.prefill.settings import FillSettings
+    from services.common.messages import PrefillRequest
     from services.prefill.service import PrefillService
 
     model = checkpoint("qwen3")
@@ -305,7 +305,7 @@ def test_ridgefill_prompts_bypass_the_cache(checkpoint):
                        prefill_service=PrefillService(model), prefix_cache=cache)
     P = prompt(50, seed=9)
     engine.generate([P], ONE)                                 # stored
-    settings = FillSettings(split=model.config.num_hidden_layers, tail=0)
+    settings = PrefillRequest("ridgefill", {"split": model.config.num_hidden_layers, "tail": 0})
     seq = engine.generate([P + [3, 4]], GenerationParams(max_tokens=2, prefill=settings))[0]
     engine.prefix.drain()
     assert len(seq.output_ids) == 2
