@@ -1,6 +1,7 @@
 """One engine as the server flags describe it: the exact engine, plus the RidgeFill prefill
 service and the prefix cache when configured. The embedded deployment and each prefill
-replica of the disaggregated one build theirs here, so both read the flags the same way."""
+replica of the disaggregated one build theirs here (and an attention service holding the
+whole model its RidgeFill service), so all read the flags the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,6 +42,17 @@ class EngineOptions:
         return p is not None and (p.maps_dir is not None or p.mode != "exact")
 
 
+def build_prefill_service(model: CausalLM, model_dir: str | Path, options: EngineOptions,
+                          registry) -> PrefillService | None:
+    """The RidgeFill prefill service the flags ask for (None: none); its metrics go into
+    `registry`."""
+    if not options.ridgefill:
+        return None
+    lexicon = (Lexicon.from_tokenizer(load_tokenizer(model_dir), model.config.vocab_size)
+               if has_tokenizer(model_dir) else None)
+    return PrefillService(model, options.prefill, PrefillMetrics(registry), lexicon)
+
+
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
@@ -48,11 +60,7 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
     (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
     model's fingerprint and dtype, so replicas of one checkpoint share Redis entries and
     other checkpoints never see them."""
-    service = None
-    if options.ridgefill:
-        lexicon = (Lexicon.from_tokenizer(load_tokenizer(model_dir), model.config.vocab_size)
-                   if has_tokenizer(model_dir) else None)
-        service = PrefillService(model, options.prefill, PrefillMetrics(registry), lexicon)
+    service = build_prefill_service(model, model_dir, options, registry)
     cache = None
     if options.prefix_cache_bytes is not None:
         config = PrefixCacheConfig(namespace=f"{model_fingerprint(model)}:{model.dtype}",

@@ -98,9 +98,13 @@ class ClusterConfig:
         if self.prefill_replicas < 0:
             raise ValueError("prefill_replicas must be at least 0")
         p = self.prefill
-        if not self.prefill_replicas and (p.ridgefill or p.prefix_cache_bytes is not None):
-            raise ValueError("RidgeFill maps and the prefix cache live in the prefill "
-                             "service: give it at least one replica (--prefill-replicas)")
+        if not self.prefill_replicas and p.prefix_cache_bytes is not None:
+            raise ValueError("the prefix cache lives in the prefill service: give it at "
+                             "least one replica (--prefill-replicas)")
+        if not self.prefill_replicas and p.ridgefill and self.transport != "local":
+            raise ValueError("RidgeFill needs the whole model: give the prefill service at "
+                             "least one replica (--prefill-replicas), or hold the pool in "
+                             "each attention service (--transport local)")
         FaultPlan.parse(self.fault_inject)          # a malformed entry: refused here
         if self.transport == "nccl" and not self.use_gpu:
             raise ValueError("--transport nccl moves tensors between GPU actors; it needs "
@@ -253,6 +257,7 @@ class AttentionReplica:
         from services.attention.server import serve_attention
         from services.common.tokenizer import eos_token_ids
         from services.common.transport import make_transport
+        from services.deployment.build import build_prefill_service
         from services.mlp_pool import MLPPool
 
         tune_process()
@@ -273,8 +278,10 @@ class AttentionReplica:
             metrics = PoolMetrics(registry)
             replicas = [MeteredPool(MLPPool(model, f"{name}-pool-{i}"), metrics)
                         for i in range(c.mlp_replicas)]
+            service = None if prefill_addresses else \
+                build_prefill_service(model, c.model, c.prefill, registry)   # RidgeFill here
         else:
-            registry = None
+            registry = service = None
             model = _load(c.model, c.dtype, "attention", c.threads, device, c.quantization)
             replicas = list(pool_addresses)
         cfg = model.config
@@ -288,7 +295,7 @@ class AttentionReplica:
                                     block_size=c.block_size, wiring=c.wiring,
                                     eos_token_ids=eos_token_ids(c.model),
                                     kv_cache_bytes=c.kv_cache_bytes,
-                                    max_num_seqs=c.max_num_seqs,
+                                    max_num_seqs=c.max_num_seqs, prefill_service=service,
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)])
         prefill = None
         if prefill_addresses:

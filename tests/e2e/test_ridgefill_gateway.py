@@ -6,7 +6,9 @@ import pytest
 
 from evals.corpus import documents
 from services.common.tokenizer import load_tokenizer
-from services.deployment.server import build_embedded
+from services.deployment.build import EngineOptions
+from services.deployment.ray_cluster import ClusterConfig
+from services.deployment.server import build_cluster, build_embedded
 from tools.calibration import CalibConfig, calibrate
 from services.prefill.service import PrefillConfig
 from tests.helpers.gateway import ZOO, running
@@ -17,16 +19,24 @@ MODEL = "smollm2-135m"
 
 
 @pytest.fixture(scope="module")
-def rf_server(tmp_path_factory):
+def maps(tmp_path_factory):
     from models import load_model
 
-    maps = tmp_path_factory.mktemp("maps")
+    out = tmp_path_factory.mktemp("maps")
     tok = load_tokenizer(ZOO)
     docs = (tok(d.text, add_special_tokens=False)["input_ids"] for d in documents("calib")[:5])
     calibrate(load_model(ZOO), docs, CalibConfig(splits=(15,), max_len=256, heldout_docs=1),
-              maps, log=lambda *_: None)
-    app = build_embedded(ZOO, served_name=MODEL,
-                         prefill=PrefillConfig(maps_dir=str(maps), split=15, tail=32))
+              out, log=lambda *_: None)
+    return out
+
+
+def settings(maps) -> PrefillConfig:
+    return PrefillConfig(maps_dir=str(maps), split=15, tail=32)
+
+
+@pytest.fixture(scope="module")
+def rf_server(maps):
+    app = build_embedded(ZOO, served_name=MODEL, prefill=settings(maps))
     with running(app) as base:
         yield base, app.state.gateway
 
@@ -154,3 +164,33 @@ def test_bad_ridgefill_settings_are_400(rf_server, extra, needle):
     resp = complete(base, PROMPT, **extra)
     assert resp.status_code == 400 and needle in resp.json()["error"]["message"]
     assert not gateway.backend.engine.has_unfinished()
+
+
+def test_the_ray_deployment_fills_as_the_embedded_engine(rf_server, maps, ray_session):
+    """RidgeFill under the Q-First runner: an attention service holding the whole model
+    (--transport local, no prefill replica) prefills with its own RidgeFill service into its
+    KV shards; the tokens, log-probs and refusals are the embedded engine's."""
+    config = ClusterConfig(model=str(ZOO), attention_shards=1, kv_splits=2,
+                           transport="local", kv_cache_bytes=64 << 20, max_num_seqs=4,
+                           prefill=EngineOptions(max_num_seqs=4, prefill=settings(maps)))
+    app, cluster = build_cluster(config, served_name=MODEL)
+    try:
+        with running(app) as ray_base:
+            for extra in ({"prefill_mode": "ridgefill"},
+                          {"prefill_mode": "ridgefill", "ridgefill": {"selector": "probe"}}):
+                want, got = (complete(b, PROMPT, logprobs=2, **extra).json()
+                             for b in (rf_server[0], ray_base))
+                assert got["choices"][0]["text"] == want["choices"][0]["text"]
+                pairs = zip(got["choices"][0]["logprobs"]["token_logprobs"],
+                            want["choices"][0]["logprobs"]["token_logprobs"])
+                assert max(abs(a - b) for a, b in pairs) < 1e-3
+            refused = complete(ray_base, PROMPT, prefill_mode="ridgefill",
+                               ridgefill={"split": 3})
+            assert refused.status_code == 400
+            assert "no maps for split 3" in refused.json()["error"]["message"]
+            text = httpx.get(ray_base + "/metrics").text
+            assert "splitstack_ridgefill_filled_rows_total" in text
+        free, total = ray_session.get(cluster.attention[0].blocks.remote())
+        assert free == total
+    finally:
+        cluster.shutdown()
