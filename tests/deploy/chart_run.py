@@ -3,7 +3,9 @@
     unshare --net --mount --pid --fork --kill-child --mount-proc python -m tests.deploy.chart_run PLAN OUT
 
 PLAN (JSON): `initial` and `scaled` (rendered documents), `url` (the gateway Service),
-`api_key`, `model`, `workdir`. It applies `initial` and waits for every pod's probes, sends
+`api_key`, `model`, `workdir`. It applies `initial`, the gateway first and the worker pods
+only once it has been up a while (its members must wait for them), and waits for every
+pod's probes, sends
 one chat completion through the gateway Service, then under a small load applies `scaled`
 (the difference: new worker pods), runs the post-upgrade hook and reads the pools; then,
 under load again, stops a worker pod that holds an MLP member as the kubelet would, and lets
@@ -79,11 +81,31 @@ def wait_for(predicate, timeout_s: float, period_s: float = 1.0) -> bool:
     return False
 
 
+def without_workers(docs: list[dict]) -> list[dict]:
+    """The documents with every worker group at 0 replicas (the worker pods not yet joined)."""
+    import copy
+
+    docs = copy.deepcopy(docs)
+    for doc in docs:
+        if doc["kind"] == "RayCluster":
+            for group in doc["spec"]["workerGroupSpecs"]:
+                group["replicas"] = 0
+    return docs
+
+
 def scenario(cluster: Cluster, plan: dict, out: dict) -> None:
     url, model = plan["url"], plan["model"]
     headers = {"Authorization": f"Bearer {plan['api_key']}"}
     start = time.monotonic()
-    started = cluster.apply(plan["initial"])
+    # the gateway before any worker pod, as on a fresh install: its members must wait for
+    # their pools' resources (not land on the gateway's node or the head), then land in
+    # their own groups once the worker pods join
+    started = cluster.apply(without_workers(plan["initial"]))
+    gateway = next(p for p in started if p.owner.startswith("Deployment/"))
+    wait_for(lambda: "Ray runtime started" in gateway.log.read_text(), 120)
+    time.sleep(plan.get("workers_after_s", 20))
+    out["served_before_workers"] = "splitstack serving" in gateway.log.read_text()
+    started += cluster.apply(plan["initial"])
     out["pods"] = {p.name: p.owner for p in started}
     out["ready_s"] = {p.name: round(cluster.wait_ready(p, 300), 1) for p in started}
     out["up_s"] = round(time.monotonic() - start, 1)
@@ -95,6 +117,8 @@ def scenario(cluster: Cluster, plan: dict, out: dict) -> None:
     out["chat"] = {"status": r.status_code, "body": r.json()}
     out["chat_without_key"] = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
         "model": model, "messages": [{"role": "user", "content": "hi"}]}).status_code
+    out["pools_initial"] = pools(url, headers)
+    out["pod_ips_initial"] = {p.name: p.ip for p in cluster.pods.values()}
 
     with Load(url, headers, model) as load:
         time.sleep(2)

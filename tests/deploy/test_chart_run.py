@@ -64,6 +64,14 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
     assert out["chat"]["status"] == 200, out["chat"]
     assert out["chat"]["body"]["choices"][0]["message"]["content"]
     assert out["chat_without_key"] == 401
+    # the gateway started first: it served only once the worker pods had joined, and each
+    # member runs on a pod of its own pool's group (not the gateway's node or the head)
+    assert out["served_before_workers"] is False
+    assert [len(out["pools_initial"][p]) for p in ("attention", "mlp")] == [1, 1]
+    for pool, members in out["pools_initial"].items():
+        group_ips = {ip for name, ip in out["pod_ips_initial"].items() if f"-{pool}-" in name}
+        assert {m["address"].rsplit(":", 1)[0] for m in members} <= group_ips, (
+            pool, members, out["pod_ips_initial"])
 
     # re-rendered with 3 MLP replicas: two more worker pods, the hook's `splitstack scale`,
     # 3 members in service on 3 different pods, and no failed request under the load
