@@ -14,7 +14,7 @@ from services.gateway.app import Gateway, build_app
 from services.gateway.backend import EngineBackend
 from services.gateway.limits import HttpLimits
 from services.gateway.ratelimit import RateLimits
-from services.gateway.metrics import GatewayMetrics, objectives_for
+from services.gateway.metrics import GatewayMetrics, export_pool_limits, objectives_for
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
@@ -58,7 +58,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     (`services.deployment.autoscale`) resizes the pools it bounds. Returns (app, cluster)."""
     from services.deployment.placement import RayPlacement
     from services.deployment.pools import PoolManager
-    from services.deployment.ray_cluster import deploy, init_ray
+    from services.deployment.ray_cluster import POOLS, deploy, init_ray
     from services.gateway.cluster_backend import ClusterBackend
 
     model_dir = Path(config.model)
@@ -84,6 +84,10 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                                   drain_timeout_s, fixed, registry=metrics.registry,
                                   autoscaler=autoscaler, latency=(metrics.ttft, metrics.itl))
     cluster.closers.append(app.state.pools.close)
+    bounds = autoscaler.bounds if autoscaler is not None else {}
+    export_pool_limits(metrics.registry, {pool: bounds[pool][1] if pool in bounds
+                                          else max_replicas
+                                          for pool in POOLS if pool not in fixed})
     return app, cluster
 
 

@@ -148,3 +148,12 @@ class PolledCounter:
         for labels, value in sorted(self.values.items()):
             family.add_metric(labels, value)
         yield family
+
+
+def export_pool_limits(registry: CollectorRegistry, limits: dict[str, int]) -> None:
+    """`splitstack_pool_replicas_max{pool}`: the most members each resizable pool may have
+    (the autoscaler's MAX for a pool it bounds, else the deployment's `--max-replicas`)."""
+    gauge = Gauge("splitstack_pool_replicas_max", "The most members each resizable pool may "
+                  "have", ["pool"], registry=registry)
+    for pool, most in limits.items():
+        gauge.labels(pool).set(most)
