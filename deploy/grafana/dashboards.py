@@ -15,9 +15,10 @@ API = 'route=~"/v1/.*|/tokenize|/detokenize"'     # the routes the availability 
 
 
 def slo(record: str, objective: str, window: str) -> str:
-    """A recording rule of deploy/prometheus/rules/recording.yml for one objective."""
+    """A recording rule of deploy/prometheus/rules/recording.yml for one objective, per
+    deployment."""
     matcher = f'slo="{objective}"'
-    return f"max(job:splitstack_slo_{record}{window}{sel(matcher)})"
+    return f"max by (job) (job:splitstack_slo_{record}{window}{sel(matcher)})"
 
 
 def within(objective: str, window: str = "5m") -> str:
@@ -30,6 +31,9 @@ def burn(objective: str, window: str) -> str:
     return (f"{slo('errors:ratio_rate', objective, window)} / "
             f"{slo('error_budget:ratio', objective, '')}")
 TOKS = "suffix: tokens/s"
+# latency percentiles per deployment: with several selected ("All"), one line each rather
+# than one percentile over all of them
+PER_JOB = ("job",)
 
 
 def overview() -> dict:
@@ -42,23 +46,23 @@ def overview() -> dict:
             Panel("Availability (5m)", "percentunit", "Share of API requests answered "
                   "without a 5xx over the last 5 minutes (503 refusals count as errors), the "
                   "short window of the SplitstackAvailability*Burn alerts.",
-                  [(within("availability"), "availability")], kind="stat", width=6,
+                  [(within("availability"), "{{job}}")], kind="stat", width=6,
                   height=4),
             Panel("TTFT within objective (5m)", "percentunit", "Share of first tokens within "
                   "the TTFT objective the gateway exports (splitstack_slo_objective_seconds) "
                   "over the last 5 minutes.",
-                  [(within("time_to_first_token"), "within")], kind="stat", width=6,
+                  [(within("time_to_first_token"), "{{job}}")], kind="stat", width=6,
                   height=4),
             Panel("Error budget burn rate (1h)", "none", "How fast each objective's error "
                   "budget burns over the last hour: 1 spends a 30-day budget in 30 days; "
                   "the page fires from 14.4 (with the 5-minute rate over it too), red here.",
-                  [(burn(o, "1h"), o) for o in ("availability", "time_to_first_token",
+                  [(burn(o, "1h"), "{{job}} " + o) for o in ("availability", "time_to_first_token",
                                                "inter_token_latency")],
                   kind="stat", width=6, height=4, red_from=14.4),
             Panel("Error budget left (3 days)", "percentunit", "Share of each objective's "
                   "error budget the last 3 days left unspent (1 - burn rate over 3 days; "
                   "below 0 the objective was missed over them).",
-                  [(f"1 - {burn(o, '3d')}", o) for o in ("availability",
+                  [(f"1 - {burn(o, '3d')}", "{{job}} " + o) for o in ("availability",
                                                         "time_to_first_token")],
                   kind="stat", width=6, height=4),
         ]),
@@ -74,8 +78,8 @@ def overview() -> dict:
             Panel("TTFT p95", "s", "95th percentile of the time from a request's arrival "
                   "to its first token over 5 minutes; the objective is a share of requests "
                   "within a bound (the Objectives row).",
-                  [(quantile(0.95, "splitstack_time_to_first_token_seconds", window="5m"),
-                    "p95")], kind="stat", width=6, height=4),
+                  [(quantile(0.95, "splitstack_time_to_first_token_seconds", PER_JOB,
+                             window="5m"), "{{job}}")], kind="stat", width=6, height=4),
             Panel("Running", "short", "Requests in the engines now.",
                   [(f"sum(splitstack_requests_running{sel()})", "running")], kind="stat",
                   width=6, height=4),
@@ -106,23 +110,23 @@ def overview() -> dict:
             Panel("Time to first token", "s", "TTFT percentiles: arrival to first token "
                   "(queue, prefill and the first sampling), and the objective the gateway "
                   "exports (splitstack_slo_objective_seconds).",
-                  quantile_targets("splitstack_time_to_first_token_seconds")
+                  quantile_targets("splitstack_time_to_first_token_seconds", PER_JOB, "{{job}} ")
                   + [("max(splitstack_slo_objective_seconds"
                       + sel('slo="time_to_first_token"') + ")", "objective")], width=8),
             Panel("Inter-token latency", "s", "ITL percentiles: time between consecutive "
                   "tokens of a request.",
-                  quantile_targets("splitstack_inter_token_latency_seconds"), width=8),
+                  quantile_targets("splitstack_inter_token_latency_seconds", PER_JOB, "{{job}} "), width=8),
             Panel("End-to-end latency", "s", "E2E percentiles: arrival to last token.",
-                  quantile_targets("splitstack_e2e_request_latency_seconds"), width=8),
+                  quantile_targets("splitstack_e2e_request_latency_seconds", PER_JOB, "{{job}} "), width=8),
             Panel("Queue time", "s", "Percentiles of the time a request waited in the "
                   "engine's queue before it was first scheduled.",
-                  quantile_targets("splitstack_request_queue_time_seconds"), width=8),
+                  quantile_targets("splitstack_request_queue_time_seconds", PER_JOB, "{{job}} "), width=8),
             Panel("Prefill time", "s", "Percentiles of the time from a request's first "
                   "scheduling to its first token.",
-                  quantile_targets("splitstack_request_prefill_time_seconds"), width=8),
+                  quantile_targets("splitstack_request_prefill_time_seconds", PER_JOB, "{{job}} "), width=8),
             Panel("Decode time", "s", "Percentiles of the time from a request's first token "
                   "to its last.",
-                  quantile_targets("splitstack_request_decode_time_seconds"), width=8),
+                  quantile_targets("splitstack_request_decode_time_seconds", PER_JOB, "{{job}} "), width=8),
         ]),
         ("Throughput and load", [
             Panel("Tokens per second", TOKS, "Prompt tokens admitted and tokens generated "
