@@ -158,7 +158,7 @@ def pools() -> dict:
                   [("sum by (pool, state) (splitstack_pool_replicas" + sel() + ")",
                     "{{pool}} {{state}}")], stack=True, width=8),
             Panel("Scale events", "short", "Changes of a pool's desired size over the "
-                  "window, by direction and reason (admin, autoscale, failure); 0 per pool "
+                  "window, by direction and reason (admin, autoscale); 0 per pool "
                   "while there were none.",
                   [(zero_if_none(increase("splitstack_scale_events_total",
                                           ("pool", "direction", "reason")),
