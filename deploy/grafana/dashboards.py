@@ -6,8 +6,8 @@ deployment the per-replica series carry a `service` label (the replica's address
 gateway's own series do not. Tags say where a dashboard has data: `embedded`, `ray`."""
 from __future__ import annotations
 
-from deploy.grafana.panels import (Panel, dashboard, increase, mean, quantile,
-                                   quantile_targets, rate, sel, zero_if_none)
+from deploy.grafana.panels import (Panel, dashboard, heatmap_targets, increase, mean,
+                                   quantile, quantile_targets, rate, sel, zero_if_none)
 
 FINISHED = "splitstack_requests_finished_total"
 HTTP = "splitstack_http_requests_total"
@@ -118,6 +118,14 @@ def overview() -> dict:
                   quantile_targets("splitstack_inter_token_latency_seconds", PER_JOB, "{{job}} "), width=8),
             Panel("End-to-end latency", "s", "E2E percentiles: arrival to last token.",
                   quantile_targets("splitstack_e2e_request_latency_seconds", PER_JOB, "{{job}} "), width=8),
+            Panel("Time to first token, every request", "s", "First tokens per second in "
+                  "each TTFT bucket: the whole distribution, where percentiles hide a second "
+                  "mode (the TTFT objective is one of the bucket bounds).",
+                  heatmap_targets("splitstack_time_to_first_token_seconds"), kind="heatmap",
+                  width=12),
+            Panel("Inter-token latency, every token", "s", "Token gaps per second in each "
+                  "ITL bucket.", heatmap_targets("splitstack_inter_token_latency_seconds"),
+                  kind="heatmap", width=12),
             Panel("Queue time", "s", "Percentiles of the time a request waited in the "
                   "engine's queue before it was first scheduled.",
                   quantile_targets("splitstack_request_queue_time_seconds", PER_JOB, "{{job}} "), width=8),

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from grafana_foundation_sdk.builders import common as cb
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+from grafana_foundation_sdk.builders import heatmap, prometheus, stat, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
 
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
@@ -61,6 +62,11 @@ def zero_if_none(expr: str, present: str, label: str) -> str:
     return f'({expr}) or label_replace(0 * {present}, "{label}", "none", "", "")'
 
 
+def heatmap_targets(histogram: str) -> list[tuple[str, str]]:
+    """Requests per second in each bucket of a histogram, for a heatmap panel."""
+    return [(f"sum by (le) (rate({histogram}_bucket{sel()}[{WINDOW}]))", "{{le}}")]
+
+
 def quantile_targets(histogram: str, labels: tuple[str, ...] = (),
                      legend: str = "") -> list[tuple[str, str]]:
     return [(quantile(q, histogram, labels), f"{legend}p{round(q * 100)}")
@@ -69,7 +75,8 @@ def quantile_targets(histogram: str, labels: tuple[str, ...] = (),
 
 @dataclass(frozen=True)
 class Panel:
-    """One panel: `targets` are (PromQL, legend) pairs. `kind`: timeseries or stat."""
+    """One panel: `targets` are (PromQL, legend) pairs. `kind`: timeseries, stat, or
+    heatmap (a histogram's buckets per `le`, `heatmap_targets`)."""
     title: str
     unit: str
     description: str
@@ -82,7 +89,7 @@ class Panel:
     red_from: float | None = None      # a stat turns red from here (an alert's threshold)
 
     def builder(self):
-        p = stat.Panel() if self.kind == "stat" else timeseries.Panel()
+        p = {"stat": stat.Panel, "heatmap": heatmap.Panel}.get(self.kind, timeseries.Panel)()
         p = (p.title(self.title).description(self.description).unit(self.unit)
              .datasource(DATASOURCE).span(self.width).height(self.height).min(0))
         if self.max is not None:
@@ -91,8 +98,15 @@ class Panel:
             p = p.thresholds(db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
                 [dm.Threshold(None, "green"), dm.Threshold(self.red_from, "red")]))
         for i, (expr, legend) in enumerate(self.targets):
-            p = p.with_target(prometheus.Dataquery().expr(expr).legend_format(legend)
-                              .ref_id(chr(ord("A") + i)).range())
+            query = (prometheus.Dataquery().expr(expr).legend_format(legend)
+                     .ref_id(chr(ord("A") + i)).range())
+            if self.kind == "heatmap":
+                query = query.format(pm.PromQueryFormat.HEATMAP)
+            p = p.with_target(query)
+        if self.kind == "heatmap":       # Prometheus's buckets as they are, by upper bound
+            return (p.calculate(False).cell_gap(1)
+                    .rows_frame(heatmap.RowsHeatmapOptions().layout(cm.HeatmapCellLayout.LE))
+                    .y_axis(heatmap.YAxisConfig().unit(self.unit)))
         if self.kind == "stat":
             return (p.graph_mode(cm.BigValueGraphMode.AREA)
                     .color_mode(cm.BigValueColorMode.VALUE)
