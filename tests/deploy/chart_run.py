@@ -3,7 +3,8 @@
     unshare --net --mount --pid --fork --kill-child --mount-proc python -m tests.deploy.chart_run PLAN OUT
 
 PLAN (JSON): `initial` and `scaled` (rendered documents), `url` (the gateway Service),
-`api_key`, `model`, `workdir`. It applies `initial`, the gateway first and the worker pods
+`api_key`, `model`, `workdir`, and `image` (optional: the containers of that image run from
+it under podman). It applies `initial`, the gateway first and the worker pods
 only once it has been up a while (its members must wait for them), and waits for every
 pod's probes, sends
 one chat completion through the gateway Service, then under a small load applies `scaled`
@@ -159,7 +160,7 @@ def main(plan_path: str, out_path: str) -> int:
     profile = workdir / "profile.sh"
     profile.write_text(f"export PATH={VENV_BIN}:$PATH\n")
     out: dict = {"repo": str(REPO)}
-    cluster = Cluster(workdir, profile)
+    cluster = Cluster(workdir, profile, plan.get("image"))
     try:
         scenario(cluster, plan, out)
     except Exception:
@@ -167,6 +168,7 @@ def main(plan_path: str, out_path: str) -> int:
         out["logs"] = {p.name: p.log.read_text()[-3000:] for p in cluster.pods.values()
                        if p.log and p.log.exists()}
     finally:
+        out["podman_launched"] = cluster.launched
         cluster.close()
         Path(out_path).write_text(json.dumps(out, indent=1))
     return 0

@@ -14,7 +14,10 @@ preStop hook, then SIGTERM to each container's PID 1, then SIGKILL after the gra
 
 What stands in for the image: the repository's virtualenv on PATH (and in bash -l's
 profile, as the image's /etc/profile.d does), the host's /bin/sh, bash and redis-server; for
-the cluster's DNS, /etc/hosts (read through the C library: GRPC_DNS_RESOLVER=native).
+the cluster's DNS, /etc/hosts (read through the C library: GRPC_DNS_RESOLVER=native). Given
+`image` (one `make image` built), a container of that image runs as a podman container
+instead: the image's filesystem, entrypoint and PATH, in the pod's network namespace, as the
+pod's user with every capability dropped, read-only where asked, its volumes bind-mounted.
 """
 from __future__ import annotations
 
@@ -60,10 +63,16 @@ class Container:
     name: str
     proc: subprocess.Popen
     spec: dict
+    podman: str | None = None       # the podman container's name, when it runs in one
 
     @property
     def pid1(self) -> int | None:
-        """The container's PID 1, seen from here (the child `unshare` forked)."""
+        """The container's PID 1, seen from here (the child `unshare` forked, or podman's)."""
+        if self.podman:
+            out = subprocess.run(["podman", "inspect", "--format", "{{.State.Pid}}",
+                                  self.podman], capture_output=True, text=True)
+            pid = out.stdout.strip()
+            return int(pid) if out.returncode == 0 and pid.isdigit() and pid != "0" else None
         try:
             children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
         except OSError:
@@ -90,8 +99,10 @@ class Cluster:
     """The pods of applied manifests. `apply` starts what the manifests add (pods the
     previous apply did not have); `run_hooks` runs hook Jobs to completion."""
 
-    def __init__(self, workdir: Path, profile: Path):
+    def __init__(self, workdir: Path, profile: Path, image: str | None = None):
         self.workdir = workdir
+        self.image = image
+        self.launched = 0
         self.pods: dict[str, Pod] = {}
         self.objects: dict[tuple[str, str], dict] = {}
         self.services: dict[str, dict] = {}
@@ -286,6 +297,8 @@ class Cluster:
         argv = [VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
                 for a in container.get("command", []) + container.get("args", [])]
         dirs = self.volume_dirs(pod)
+        if self.image and container.get("image") == self.image:
+            return self.launch_podman(pod, container, env, argv, dirs)
         script = ["set -e"]
         # a mount over an ancestor of the volumes' own directories (/tmp) goes last
         mounts = sorted(container.get("volumeMounts", []),
@@ -323,6 +336,40 @@ class Cluster:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL)
         return Container(container["name"], proc, container)
+
+    def launch_podman(self, pod: Pod, container: dict, env: dict, argv: list[str],
+                      dirs: dict[str, Path]) -> Container:
+        """The container from the image, as a container runtime runs it: the image's own
+        filesystem and PATH (the pod's env minus the host's PATH), its entrypoint replaced by
+        the command as Kubernetes does, in the pod's network namespace."""
+        user = {**pod.spec.get("securityContext", {}), **container.get("securityContext", {})}
+        uid, gid = user.get("runAsUser", 0), user.get("runAsGroup", user.get("runAsUser", 0))
+        self.launched += 1
+        name = f"kubelet-{pod.netns}-{container['name']}-{self.launched}"
+        cmd = ["podman", "run", "--rm", "--name", name, "--network", f"ns:/run/netns/{pod.netns}",
+               "--no-hosts", "-v", f"{self.hosts}:/etc/hosts:ro", "--user", f"{uid}:{gid}",
+               "--cap-drop=ALL", "--pull=never"]
+        if not user.get("allowPrivilegeEscalation", True):
+            cmd.append("--security-opt=no-new-privileges")
+        if user.get("readOnlyRootFilesystem"):
+            cmd += ["--read-only", "--read-only-tmpfs=false"]
+        for m in container.get("volumeMounts", []):
+            cmd += ["-v", f"{dirs[m['name']]}:{m['mountPath']}{':ro' if m.get('readOnly') else ''}"]
+        for k, v in env.items():
+            if k != "PATH":
+                cmd += ["-e", f"{k}={v}"]
+        if container.get("workingDir"):
+            cmd += ["--workdir", container["workingDir"]]
+        if argv:
+            cmd += ["--entrypoint", argv[0], self.image, *argv[1:]]
+        else:
+            cmd.append(self.image)
+        with open(pod.log, "a") as log:
+            log.write(f"---- {container['name']} (podman {name}): {shlex.join(argv)}\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        return Container(container["name"], proc, container, podman=name)
 
     def run_pod(self, pod: Pod) -> None:
         """Init containers one after another, then the containers; a container that exits
@@ -427,8 +474,7 @@ class Cluster:
         out["killed"] = [c.name for c in pod.containers if c.proc.poll() is None]
         for c in pod.containers:
             if c.proc.poll() is None:
-                c.proc.kill()       # unshare --kill-child: SIGKILL to PID 1, and so the pod
-                c.proc.wait()
+                self.kill(c)
         out["stop_s"] = time.monotonic() - start
         del self.pods[pod.name]
         return out
@@ -449,7 +495,7 @@ class Cluster:
                 try:
                     codes.append(c.proc.wait(timeout=max(1, deadline_s - (time.monotonic() - start))))
                 except subprocess.TimeoutExpired:
-                    c.proc.kill()
+                    self.kill(c)
                     codes.append("timeout")
             results.append({"job": doc["metadata"]["name"], "exit_codes": codes,
                             "log": pod.log.read_text()[-3000:]})
@@ -457,10 +503,19 @@ class Cluster:
             del self.pods[pod.name]
         return results
 
+    @staticmethod
+    def kill(c: Container) -> None:
+        """SIGKILL to the container (unshare --kill-child: to PID 1, and so the pod; podman:
+        its container, which outlives a killed `podman run`)."""
+        if c.podman:
+            subprocess.run(["podman", "rm", "--force", "--time", "0", c.podman],
+                           capture_output=True, timeout=60)
+        c.proc.kill()
+        c.proc.wait()
+
     def close(self) -> None:
         for pod in list(self.pods.values()):
             pod.stopping = True
             for c in pod.containers:
                 if c.proc.poll() is None:
-                    c.proc.kill()
-                    c.proc.wait()
+                    self.kill(c)

@@ -29,11 +29,28 @@ def model_volume(tmp_path) -> tuple[str, ...]:
             "model.path=/mnt/models/smollm2-135m")
 
 
+# what `make image` builds; the chart run's splitstack containers run from it when present
+IMAGE_REPOSITORY, IMAGE_TAG = "localhost/splitstack", "0.1.0-cpu"
+
+
+def image_built() -> bool:
+    return bool(shutil.which("podman")) and subprocess.run(
+        ["podman", "image", "exists", f"{IMAGE_REPOSITORY}:{IMAGE_TAG}"]).returncode == 0
+
+
 @pytest.mark.slow
-def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_stops(tmp_path):
+@pytest.mark.parametrize("runtime", ["processes", "image"])
+def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_stops(
+        tmp_path, runtime):
+    """`processes`: the repository's code as host processes; `image`: every splitstack
+    container from the image `make image` built (podman), Redis still a host process."""
+    if runtime == "image" and not image_built():
+        pytest.skip(f"no podman image {IMAGE_REPOSITORY}:{IMAGE_TAG} (make image)")
     # the key as a Secret, and a drain short enough for a test
     sets = (*model_volume(tmp_path), f"apiKey.value={API_KEY}", "serve.drainTimeoutSeconds=10",
             "ray.terminationGracePeriodSeconds=20")
+    if runtime == "image":
+        sets += (f"image.repository={IMAGE_REPOSITORY}", f"image.tag={IMAGE_TAG}")
     initial = render("values-cpu.yaml", *sets)
     scaled = render("values-cpu.yaml", *sets, "pools.mlp.replicas=3")
     service = find(initial, "Service", "-gateway")
@@ -43,6 +60,8 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
     plan = {"initial": list(initial), "scaled": list(scaled), "api_key": API_KEY,
             "url": f"http://{service['metadata']['name']}:{port}", "model": "smollm2-135m",
             "workdir": str(tmp_path)}
+    if runtime == "image":
+        plan["image"] = f"{IMAGE_REPOSITORY}:{IMAGE_TAG}"
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run(
         ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
@@ -53,6 +72,8 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
     out = json.loads((tmp_path / "out.json").read_text())
     assert "error" not in out, out["error"] + "\n" + json.dumps(out.get("logs"), indent=1)
 
+    if runtime == "image":      # gateway, head, 2 workers, 2 more on the scale, the hook, ...
+        assert out["podman_launched"] >= 7, out["podman_launched"]
     # every pod of the chart ran: Redis, the Ray head, one pod per worker replica, the gateway
     owners = sorted(out["pods"].values())
     assert owners == sorted([f"Deployment/{RELEASE}-splitstack-gateway",
