@@ -3,8 +3,9 @@
     unshare --net --mount --pid --fork --kill-child --mount-proc python -m tests.deploy.chart_run PLAN OUT
 
 PLAN (JSON): `initial` and `scaled` (rendered documents), `url` (the gateway Service),
-`api_key`, `model`, `workdir`, and `image` (optional: the containers of that image run from
-it under podman). It applies `initial`, the gateway first and the worker pods
+`api_key`, `model`, `workdir`, `images` (optional: the containers of those images run from
+them under podman) and `upgraded` (optional: the chart with a new image tag, applied last as
+KubeRay's Recreate and the gateway's rollout do: every Ray and gateway pod replaced). It applies `initial`, the gateway first and the worker pods
 only once it has been up a while (its members must wait for them), and waits for every
 pod's probes, sends
 one chat completion through the gateway Service, then under a small load applies `scaled`
@@ -151,7 +152,29 @@ def scenario(cluster: Cluster, plan: dict, out: dict) -> None:
         time.sleep(2)
         out["pools_replaced"] = pools(url, headers)
     out["load_stop"] = load.result()
+    if plan.get("upgraded"):
+        out["upgrade"] = upgrade(cluster, plan["upgraded"], url, headers, model)
     out["total_s"] = round(time.monotonic() - start, 1)
+
+
+def upgrade(cluster: Cluster, docs: list[dict], url: str, headers: dict, model: str) -> dict:
+    """`helm upgrade` to a new image tag: the gateway's pod template and the RayCluster's
+    spec changed, so the rollout replaces the gateway and KubeRay's Recreate every Ray pod
+    (the old ones stopped as the kubelet does, at once), then the new ones come up."""
+    old = [p for p in cluster.pods.values() if p.owner.split("/")[0] in ("Deployment", "RayCluster")]
+    stoppers = [threading.Thread(target=cluster.stop_pod, args=(p,)) for p in old]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
+    new = cluster.apply(docs)
+    ready = {p.name: round(cluster.wait_ready(p, 300), 1) for p in new}
+    r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
+                   json={"model": model, "max_tokens": 12, "temperature": 0,
+                         "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    return {"replaced": sorted(p.name for p in old), "ready_s": ready,
+            "images": {p.name: [c.spec["image"] for c in p.containers] for p in new},
+            "chat": {"status": r.status_code, "body": r.json()}}
 
 
 def main(plan_path: str, out_path: str) -> int:
@@ -160,7 +183,7 @@ def main(plan_path: str, out_path: str) -> int:
     profile = workdir / "profile.sh"
     profile.write_text(f"export PATH={VENV_BIN}:$PATH\n")
     out: dict = {"repo": str(REPO)}
-    cluster = Cluster(workdir, profile, plan.get("image"))
+    cluster = Cluster(workdir, profile, plan.get("images", []))
     try:
         scenario(cluster, plan, out)
     except Exception:

@@ -15,7 +15,7 @@ preStop hook, then SIGTERM to each container's PID 1, then SIGKILL after the gra
 What stands in for the image: the repository's virtualenv on PATH (and in bash -l's
 profile, as the image's /etc/profile.d does), the host's /bin/sh, bash and redis-server; for
 the cluster's DNS, /etc/hosts (read through the C library: GRPC_DNS_RESOLVER=native). Given
-`image` (one `make image` built), a container of that image runs as a podman container
+`images` (ones `make image` built), a container of such an image runs as a podman container
 instead: the image's filesystem, entrypoint and PATH, in the pod's network namespace, as the
 pod's user with every capability dropped, read-only where asked, its volumes bind-mounted.
 """
@@ -99,10 +99,11 @@ class Cluster:
     """The pods of applied manifests. `apply` starts what the manifests add (pods the
     previous apply did not have); `run_hooks` runs hook Jobs to completion."""
 
-    def __init__(self, workdir: Path, profile: Path, image: str | None = None):
+    def __init__(self, workdir: Path, profile: Path, images: list[str] = ()):
         self.workdir = workdir
-        self.image = image
-        self.launched = 0
+        self.images = set(images)
+        self.hosts_lock = threading.Lock()      # pods stopped at once rewrite it from threads
+        self.launched: list[str] = []       # the image of each podman container started
         self.pods: dict[str, Pod] = {}
         self.objects: dict[tuple[str, str], dict] = {}
         self.services: dict[str, dict] = {}
@@ -211,7 +212,8 @@ class Cluster:
             for pod in pods if headless else pods[:1]:
                 lines.append(f"{pod.ip} {name} {name}.default.svc "
                              f"{name}.default.svc.cluster.local")
-        self.rewrite_in_place(self.hosts, "\n".join(lines) + "\n")
+        with self.hosts_lock:
+            self.rewrite_in_place(self.hosts, "\n".join(lines) + "\n")
 
     @staticmethod
     def rewrite_in_place(path: Path, text: str) -> None:
@@ -297,7 +299,7 @@ class Cluster:
         argv = [VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a)
                 for a in container.get("command", []) + container.get("args", [])]
         dirs = self.volume_dirs(pod)
-        if self.image and container.get("image") == self.image:
+        if container.get("image") in self.images:
             return self.launch_podman(pod, container, env, argv, dirs)
         script = ["set -e"]
         # a mount over an ancestor of the volumes' own directories (/tmp) goes last
@@ -344,8 +346,9 @@ class Cluster:
         the command as Kubernetes does, in the pod's network namespace."""
         user = {**pod.spec.get("securityContext", {}), **container.get("securityContext", {})}
         uid, gid = user.get("runAsUser", 0), user.get("runAsGroup", user.get("runAsUser", 0))
-        self.launched += 1
-        name = f"kubelet-{pod.netns}-{container['name']}-{self.launched}"
+        image = container["image"]
+        self.launched.append(image)
+        name = f"kubelet-{pod.netns}-{container['name']}-{len(self.launched)}"
         cmd = ["podman", "run", "--rm", "--name", name, "--network", f"ns:/run/netns/{pod.netns}",
                "--no-hosts", "-v", f"{self.hosts}:/etc/hosts:ro", "--user", f"{uid}:{gid}",
                "--cap-drop=ALL", "--pull=never"]
@@ -361,9 +364,9 @@ class Cluster:
         if container.get("workingDir"):
             cmd += ["--workdir", container["workingDir"]]
         if argv:
-            cmd += ["--entrypoint", argv[0], self.image, *argv[1:]]
+            cmd += ["--entrypoint", argv[0], image, *argv[1:]]
         else:
-            cmd.append(self.image)
+            cmd.append(image)
         with open(pod.log, "a") as log:
             log.write(f"---- {container['name']} (podman {name}): {shlex.join(argv)}\n")
             log.flush()

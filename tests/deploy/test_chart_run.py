@@ -29,8 +29,9 @@ def model_volume(tmp_path) -> tuple[str, ...]:
             "model.path=/mnt/models/smollm2-135m")
 
 
-# what `make image` builds; the chart run's splitstack containers run from it when present
-IMAGE_REPOSITORY, IMAGE_TAG = "localhost/splitstack", "0.1.0-cpu"
+# what `make image` builds; the chart run's splitstack containers run from it when present,
+# and the upgrade goes to the same image under a second tag
+IMAGE_REPOSITORY, IMAGE_TAG, NEW_TAG = "localhost/splitstack", "0.1.0-cpu", "0.1.0-cpu-next"
 
 
 def image_built() -> bool:
@@ -61,7 +62,11 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
             "url": f"http://{service['metadata']['name']}:{port}", "model": "smollm2-135m",
             "workdir": str(tmp_path)}
     if runtime == "image":
-        plan["image"] = f"{IMAGE_REPOSITORY}:{IMAGE_TAG}"
+        subprocess.run(["podman", "tag", f"{IMAGE_REPOSITORY}:{IMAGE_TAG}",
+                        f"{IMAGE_REPOSITORY}:{NEW_TAG}"], check=True)
+        plan["images"] = [f"{IMAGE_REPOSITORY}:{t}" for t in (IMAGE_TAG, NEW_TAG)]
+        plan["upgraded"] = list(render("values-cpu.yaml", *sets, "pools.mlp.replicas=3",
+                                       f"image.tag={NEW_TAG}"))
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run(
         ["unshare", "--net", "--mount", "--pid", "--fork", "--kill-child", "--mount-proc",
@@ -73,7 +78,7 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
     assert "error" not in out, out["error"] + "\n" + json.dumps(out.get("logs"), indent=1)
 
     if runtime == "image":      # gateway, head, 2 workers, 2 more on the scale, the hook, ...
-        assert out["podman_launched"] >= 7, out["podman_launched"]
+        assert out["podman_launched"].count(f"{IMAGE_REPOSITORY}:{IMAGE_TAG}") >= 7
     # every pod of the chart ran: Redis, the Ray head, one pod per worker replica, the gateway
     owners = sorted(out["pods"].values())
     assert owners == sorted([f"Deployment/{RELEASE}-splitstack-gateway",
@@ -111,3 +116,14 @@ def test_the_rendered_chart_serves_scales_and_loses_nothing_when_a_worker_pod_st
     assert out["stop"]["ray-worker_prestop_rc"] == 0, out["stop"]
     assert out["load_stop"]["failed"] == 0 and out["load_stop"]["ok"] > 0, out["load_stop"]
     assert out["replaced"], out["pools_replaced"]
+
+    if runtime == "image":
+        # upgraded to a new tag: every Ray and gateway pod replaced, each new one running the
+        # new image (under podman), and the deployment answers again
+        upgrade = out["upgrade"]
+        assert len(upgrade["replaced"]) == 6, upgrade["replaced"]   # gateway, head, 1+3 workers
+        assert len(upgrade["images"]) == 6
+        for name, images in upgrade["images"].items():
+            assert images == [f"{IMAGE_REPOSITORY}:{NEW_TAG}"], (name, images)
+        assert out["podman_launched"].count(f"{IMAGE_REPOSITORY}:{NEW_TAG}") >= 6
+        assert upgrade["chat"]["status"] == 200, upgrade["chat"]
