@@ -54,7 +54,7 @@ from bench.qfirst.probes import (Clock, PoolProcess, TimedPool, TimedShard,
                                  wiring_checkpoint)
 from models import load_model
 from services.attention.runner import qfirst_engine
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 
 BLOCK = 16

@@ -16,7 +16,7 @@ import torch
 
 from kernels.sampling import SamplingParams
 from models import load_model
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
 

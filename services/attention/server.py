@@ -27,7 +27,7 @@ from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import EngineDeadError
 from services.engine.driver import QueueDriver
 from services.engine import LLMEngine, RequestError, StepOutput
-from services.prefill.server import (PrefillCancelled, PrefillClient, PrefillFailed,
+from services.prefill.client import (PrefillCancelled, PrefillClient, PrefillFailed,
                                      PrefillRefused)
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import from_proto, history_fields, processing_fields, to_proto
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import StageOutput
-from services.common.transport import TRANSPORTS, Pending, Transport
+from services.common.transport import Pending, Transport
 
 _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
             ("grpc.max_receive_message_length", 512 << 20)]
@@ -126,6 +126,3 @@ class GrpcTransport(Transport):
                 self.retries += 1
                 return self.call(method, *args)
         return Pending(fetch)
-
-
-TRANSPORTS["grpc"] = GrpcTransport

@@ -25,7 +25,6 @@ import torch
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.grpc_transport import GrpcTransport, PoolStream
 from services.common.pb import splitstack_pb2 as pb
-from services.common.transport import TRANSPORTS
 
 
 def _nccl():
@@ -186,6 +185,3 @@ class NcclTransport(GrpcTransport):
                 self.retries += 1
                 return self.call(method, *args)
         return Pending(fetch)
-
-
-TRANSPORTS["nccl"] = NcclTransport

@@ -1,8 +1,9 @@
 """Data-plane transports between the cache side and the MLP pool.
 
 `Transport.call(replica, method, *args)` runs one stage call on a pool replica and returns its
-result. Implementations are chosen by name through a small registry; `local` calls the
-replica object in-process (zero copy). A replica that raises is retried on the next one:
+result. `local` calls the replica object in-process (zero copy); `grpc_transport` and
+`nccl_transport` reach replicas in other processes; a deployment picks one by name
+(`services.deployment.transports`). A replica that raises is retried on the next one:
 the pool holds no state, so a retry is always safe.
 """
 from __future__ import annotations
@@ -95,18 +96,3 @@ class Transport(ABC):
 class LocalTransport(Transport):
     def _invoke(self, replica, method, *args):
         return getattr(replica, method)(*args)
-
-
-TRANSPORTS = {"local": LocalTransport}
-
-
-def make_transport(name: str, replicas: list, security=None) -> Transport:
-    """`security`: a `GrpcSecurity` for the gRPC transport's channels (None: no token, no
-    TLS)."""
-    if name == "grpc":
-        import services.common.grpc_transport  # noqa: F401  (registers itself; needs stubs)
-    if name not in TRANSPORTS:
-        raise ValueError(f"unknown transport {name!r}; available: {sorted(TRANSPORTS)}")
-    if security is not None and name != "local":
-        return TRANSPORTS[name](replicas, security)
-    return TRANSPORTS[name](replicas)

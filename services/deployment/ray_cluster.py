@@ -256,7 +256,7 @@ class AttentionReplica:
         from services.attention.runner import qfirst_engine
         from services.attention.server import serve_attention
         from services.common.tokenizer import eos_token_ids
-        from services.common.transport import make_transport
+        from services.deployment.transports import make_transport
         from services.deployment.build import build_prefill_service
         from services.mlp_pool import MLPPool
 
@@ -299,7 +299,7 @@ class AttentionReplica:
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)])
         prefill = None
         if prefill_addresses:
-            from services.prefill.server import PrefillClient
+            from services.prefill.client import PrefillClient
 
             links = None
             if c.transport == "nccl":

@@ -11,7 +11,7 @@ from services.common.faults import FaultPlan
 from services.common.tokenizer import default_temperature, load_tokenizer
 from services.deployment.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
-from services.gateway.backend import EngineBackend
+from services.engine.backend import EngineBackend
 from services.gateway.limits import HttpLimits
 from services.gateway.ratelimit import RateLimits
 from services.gateway.metrics import GatewayMetrics, export_pool_limits, objectives_for

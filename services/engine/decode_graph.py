@@ -22,7 +22,6 @@ import torch
 
 from kernels.attention.naive import PagedPlan, key_mask
 from kernels.cuda_graph import GraphCache, bucket_for, pow2_buckets
-from models.config import FULL_ATTENTION
 from services.engine.scheduler import SchedulerOutput
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -98,14 +97,6 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _step(self, ids, positions, slots, state, gather, mask, tables, lens):
-        from services.engine.runner import StepTensors
         plan = PagedPlan(gather, mask, tables, lens, positions)
-        st = StepTensors(ids, positions, slots, ids.shape[0], plan, state, [], None)
-        model, runner = self.model, self.runner
-        with model.rotary.without_host_sync(self.len_buckets[-1], ids.device):
-            x, h = model.embed(ids), None
-            for l, layer in enumerate(model.model.layers):
-                h = (runner._full_attention(l, x, st, h) if layer.kind == FULL_ATTENTION
-                     else runner._gated_deltanet(l, x, st))
-                x = model.mlp(l, h)
-            return (model.final(x).float(),)
+        with self.model.rotary.without_host_sync(self.len_buckets[-1], ids.device):
+            return (self.runner.decode_step(ids, positions, slots, plan, state),)

@@ -24,7 +24,7 @@ from typing import Callable
 
 from services.common.faults import NO_FAULTS, FaultPlan
 from services.common.messages import EngineDeadError
-from services.engine import GenerationParams, StepOutput
+from services.common.messages import GenerationParams, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -196,6 +196,17 @@ class ModelRunner:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.cache.reset_slot(c.seq.state_slot)
         keep = [(row, n, c) for (row, n, _, _), c in zip(st.prefill, out.prefill) if c.capture]
+        x = self.forward(st, keep)
+        for (row, n, _, _), c in zip(st.prefill, out.prefill):
+            if c.seq.params.prompt_logprobs is not None:
+                score_chunk(c, x[row:row + n],
+                            lambda h, t, k: score_rows(self.model.final, h, t, k))
+        return self.model.final(x[st.sample_rows]).float()
+
+    def forward(self, st: StepTensors, keep=()) -> torch.Tensor:
+        """Every layer over the step's rows -> the last layer's output [N, H]. `keep`:
+        (row, length, chunk) of capturing prefill chunks, whose FA output hiddens of the
+        `keep_hidden` layers go to `chunk.hidden`."""
         x, h = self.model.embed(st.ids), None
         for l, layer in enumerate(self.model.model.layers):
             if layer.kind == FULL_ATTENTION:
@@ -206,11 +217,14 @@ class ModelRunner:
             if keep and l in self.keep_hidden:
                 for row, n, c in keep:
                     c.hidden.append(x[row:row + n].clone())
-        for (row, n, _, _), c in zip(st.prefill, out.prefill):
-            if c.seq.params.prompt_logprobs is not None:
-                score_chunk(c, x[row:row + n],
-                            lambda h, t, k: score_rows(self.model.final, h, t, k))
-        return self.model.final(x[st.sample_rows]).float()
+        return x
+
+    def decode_step(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    plan: PagedPlan, state_slots: torch.Tensor) -> torch.Tensor:
+        """A decode-only step from tensors already on the device (what a captured CUDA
+        graph replays, `decode_graph`): each row's logits [B, V] in fp32."""
+        st = StepTensors(ids, positions, slots, ids.shape[0], plan, state_slots, [], None)
+        return self.model.final(self.forward(st)).float()
 
     def _full_attention(self, l: int, x: torch.Tensor, st: StepTensors,
                         u: torch.Tensor | None) -> torch.Tensor:

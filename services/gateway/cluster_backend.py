@@ -23,8 +23,8 @@ from services.common.codec import params_to_proto, prompt_logprobs_from
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.engine import GenerationParams, RequestError, StepOutput
-from services.gateway.client import EngineClient
+from services.common.messages import GenerationParams, RequestError, StepOutput
+from services.engine.protocol import EngineClient
 from services.gateway.metrics import PolledCounter
 from services.gateway.protocol import APIError
 

@@ -12,14 +12,14 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from kernels.sampling import SamplingError, SamplingParams
-from services.engine import GenerationParams, RequestError
-from services.gateway.client import EngineClient
+from services.common.messages import (EngineDeadError, GenerationParams, PrefillRequest,
+                                      RequestError)
+from services.engine.protocol import EngineClient
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.logprobs import TokenLogprob, TokenText
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
 from services.gateway.stops import StopStrings
-from services.common.messages import EngineDeadError, PrefillRequest
 
 
 class Gateway:

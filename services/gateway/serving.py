@@ -16,7 +16,7 @@ from typing import Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from services.engine import GenerationParams
+from services.common.messages import GenerationParams
 from services.gateway.gateway import Delta, Gateway
 from services.gateway.protocol import APIError
 

@@ -15,18 +15,27 @@ filled-row projections for the fill's own pass to reuse.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from models.gdn import GDNInputs
+from services.prefill.lexicon import Lexicon
 from services.prefill.settings import FillSettings
 
-if TYPE_CHECKING:
-    from services.prefill.ridgefill import RidgeFill
+
+class RowSource(Protocol):
+    """What the selectors read of the fill whose rows they choose (a `RidgeFill`)."""
+    unigram: torch.Tensor | None          # calibration unigram counts (`protected`)
+    token_class: torch.Tensor | None
+    lexicon: Lexicon | None               # the probe's lexical net
+
+    def sweep(self, s: FillSettings, x_split: torch.Tensor, rows: torch.Tensor,
+              filled: torch.Tensor, p: int, collect, memo: FillMemo | None = None) -> None:
+        """The probe's sweep of the upper layers over the filled prefix."""
 
 
-def select_rows(fill: RidgeFill, s: FillSettings, ids: torch.Tensor, p: int,
+def select_rows(fill: RowSource, s: FillSettings, ids: torch.Tensor, p: int,
                 scorer: AttentionScorer | None, x_split: torch.Tensor, positions: torch.Tensor,
                 memo: FillMemo | None = None) -> torch.Tensor:
     """The exact prefix rows under `s.selector`. `scorer` has watched the lower layers
@@ -86,7 +95,7 @@ def protected_rows(unigram: torch.Tensor, token_class: torch.Tensor,
     return rows.sort().values
 
 
-def probe_scores(fill: RidgeFill, s: FillSettings, x_split: torch.Tensor,
+def probe_scores(fill: RowSource, s: FillSettings, x_split: torch.Tensor,
                  positions: torch.Tensor, p: int, memo: FillMemo | None = None) -> torch.Tensor:
     """Sweep 1: the last `probe_rows` rows run the exact upper layers over the fully
     filled prefix (GDN from an empty state); rank prefix rows by the attention they

@@ -1,14 +1,12 @@
-"""The prefill service over gRPC (`Prefill` in proto/splitstack.proto), and its client.
+"""The prefill service over gRPC (`Prefill` in proto/splitstack.proto); its client is
+`services.prefill.client`, the events both ends share `services.prefill.wire`.
 
 A prefill replica runs an exact engine (continuous batching of concurrent prompts, chunked)
 built from the server flags: with `--maps` the RidgeFill prefill service, with
 `--prefix-cache` the prefix cache and Tail-Replay. Each `Prefill` call becomes a one-token
 request with `export_prompt`: when its prompt completes, the engine hands back the prompt's
-KV, GDN states and last-row logits, and the call streams them
-
-    ack  ->  PromptKV per full-attention layer  ->  PromptState per GDN layer  ->  logits
-
-to the attention service that will decode the request. Nothing of the request stays on the
+KV, GDN states and last-row logits, and the call streams them (`wire.export_events`) to the
+attention service that will decode the request. Nothing of the request stays on the
 replica (its blocks are freed; the prefix cache keeps its own copy of the prompt), so a call
 to a replica that dies is simply made again on another (`PrefillClient`).
 
@@ -38,34 +36,15 @@ from models.config import ModelConfig
 from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.codec import from_proto, options_from_proto, to_proto
+from services.common.codec import options_from_proto, to_proto
 from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
 from services.common.messages import EngineDeadError
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.engine.driver import QueueDriver
-from services.engine import GenerationParams, LLMEngine, PromptExport
+from services.engine import GenerationParams, LLMEngine
 from services.prefill.metrics import PREFILL_BUCKETS
 from services.prefill.service import PREFILL_MODES
-
-GRPC_OPTIONS = [("grpc.max_send_message_length", 512 << 20),
-                ("grpc.max_receive_message_length", 512 << 20)]
-
-
-class PrefillRefused(ValueError):
-    """The prefill service refused the request (4xx); carries the offending field."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(message)
-        self.field = field_name or None
-
-
-class PrefillFailed(RuntimeError):
-    """Every prefill replica tried failed or was unreachable."""
-
-
-class PrefillCancelled(Exception):
-    """The caller cancelled the prefill."""
-
+from services.prefill.wire import GRPC_OPTIONS, export_events
 
 # ---- request fields <-> proto ------------------------------------------------------------
 def prefill_params(opts: pb.PrefillOptions) -> GenerationParams:
@@ -76,17 +55,6 @@ def prefill_params(opts: pb.PrefillOptions) -> GenerationParams:
     return GenerationParams(max_tokens=1, sampling=SamplingParams(temperature=0.0),
                             ignore_eos=True, prefill=prefill, export_prompt=True,
                             replay_ratio=replay_ratio)
-
-
-def export_events(export: PromptExport, cfg: ModelConfig, encode=to_proto):
-    """The KV and state events of an export; `encode` turns each tensor into its proto
-    (`nccl_transport.meta` for metadata only), called in the order the events carry them."""
-    for i, l in enumerate(cfg.full_attention_layers):
-        yield pb.PrefillEvent(kv=pb.PromptKV(layer=l, k=encode(export.kv[i, 0]),
-                                             v=encode(export.kv[i, 1])))
-    for i, l in enumerate(cfg.linear_attention_layers):
-        yield pb.PrefillEvent(state=pb.PromptState(layer=l, conv=encode(export.conv[i]),
-                                                   recurrent=encode(export.recurrent[i])))
 
 
 class PendingTransfers:
@@ -272,287 +240,3 @@ def serve_prefill(engine: LLMEngine, registry=None,
     port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop
-
-
-# ---- client (the attention service's side) --------------------------------------------
-class CancelHandle:
-    """Cancels the prefill call in flight, and any retry after it."""
-
-    def __init__(self):
-        self.cancelled = False
-        self.call = None
-        self._lock = threading.Lock()
-
-    def cancel(self) -> None:
-        with self._lock:
-            self.cancelled = True
-            if self.call is not None:
-                self.call.cancel()
-
-    def attach(self, call) -> None:
-        with self._lock:
-            self.call = call
-            if self.cancelled:
-                call.cancel()
-
-
-class PendingPrefill:
-    """A prompt's prefill on a prefill replica, running on its own thread once a replica
-    acknowledged it: what an engine's request waits on in WAITING_FOR_REMOTE_KVS (`done`,
-    `result`, `cancel`; `add_done_callback` wakes the engine's step loop)."""
-
-    def __init__(self):
-        self.handle = CancelHandle()
-        self.acked = threading.Event()          # a replica took it (or it ended first)
-        self._done = threading.Event()
-        self._result: PromptExport | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list = []
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def result(self) -> PromptExport:
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def cancel(self) -> None:
-        self.handle.cancel()
-
-    def add_done_callback(self, fn) -> None:
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn()
-
-    def run(self, work) -> None:
-        try:
-            self._result = work()
-        except BaseException as exc:  # noqa: BLE001 — handed to whoever reads `result`
-            self._error = exc
-        with self._lock:
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        self.acked.set()
-        for fn in callbacks:
-            fn()
-
-
-class _Replica:
-    """One prefill replica as a client sees it: its channel and stubs, this side's NCCL
-    link to it (nccl transport), and the calls in flight there."""
-
-    def __init__(self, address: str, security: GrpcSecurity, link=None):
-        self.address, self.link = address, link
-        self.channel = security.channel(address, options=GRPC_OPTIONS)
-        self.stub = pb_grpc.PrefillStub(self.channel)
-        self.probe = pb_grpc.PrefixCacheStub(self.channel)
-        self.link_lock = threading.Lock()
-        self.inflight = 0
-        self.removed = False      # left the client's list; closed once its calls are done
-
-
-class PrefillClient:
-    """Calls the prefill replica with the fewest calls in flight (ties round robin). With
-    `cache_aware`, replicas are first probed for the prompt's prefix in their memory tier
-    and the one holding the most of it is preferred, unless it has `MAX_SKEW` more calls in
-    flight than the least loaded. A replica that cannot be reached, or dies mid-stream, is
-    skipped and the prefill made again on the next one: a prefill holds no state.
-    Thread-safe; `set_replicas` changes the replicas while prefills run.
-
-    `links` (nccl transport): one `NcclLink` per replica, this side's end, and `peer` the
-    name the replicas know this side by; the KV and states then come over the link,
-    received on `device`. `security`: the token every call carries (the probes' too), and
-    TLS."""
-
-    MAX_SKEW = 4           # calls in flight a cache hit may cost over the least loaded
-    PROBE_TIMEOUT_S = 0.5
-
-    def __init__(self, addresses: list[str], cfg: ModelConfig, dtype: torch.dtype,
-                 cache_aware: bool = False, links: list | None = None, peer: str = "",
-                 device: str | torch.device = "cpu", security: GrpcSecurity = INSECURE):
-        if not addresses:
-            raise ValueError("a prefill client needs at least one prefill replica")
-        if links is not None and (len(links) != len(addresses) or not peer):
-            raise ValueError("nccl: give one link per prefill replica and this side's name")
-        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.links, self.peer = links, peer
-        self.cache_aware, self.security = cache_aware, security
-        self.replicas = [_Replica(a, security, links[i] if links is not None else None)
-                         for i, a in enumerate(addresses)]
-        self.retries = 0
-        self._turn = itertools.count()
-        self._lock = threading.Lock()
-
-    @property
-    def addresses(self) -> list[str]:
-        return [r.address for r in self.replicas]
-
-    def set_replicas(self, addresses: list[str]) -> None:
-        """Send new prompts to `addresses` from now on. A replica already in use keeps its
-        channel; a removed one finishes the prefills it has in flight, then its channel is
-        closed. Under nccl a new replica needs a link the deployment makes: refused."""
-        if not addresses:
-            raise ValueError("a prefill client needs at least one prefill replica")
-        with self._lock:
-            current = {r.address: r for r in self.replicas}
-            if self.links is not None and set(addresses) - set(current):
-                raise NotImplementedError("nccl: a new prefill replica needs a link made by "
-                                          "the deployment; replicas join only at startup")
-            self.replicas = [current.pop(a, None) or _Replica(a, self.security)
-                             for a in addresses]
-            for gone in current.values():
-                gone.removed = True
-                if gone.inflight == 0:
-                    gone.channel.close()
-
-    def _resident(self, prompt_ids: list[int],
-                  replicas: list[_Replica] | None = None) -> list[int]:
-        """Per replica, the prompt's leading tokens in its memory tier (0 if it fails)."""
-        request = pb.ProbeRequest(tokens=prompt_ids)
-        futures_ = [r.probe.Probe.future(request, timeout=self.PROBE_TIMEOUT_S)
-                    for r in (self.replicas if replicas is None else replicas)]
-        out = []
-        for f in futures_:
-            try:
-                out.append(f.result().resident_tokens)
-            except grpc.RpcError:
-                out.append(0)
-        return out
-
-    def _order(self, prompt_ids: list[int] | None = None) -> list[_Replica]:
-        replicas = self.replicas
-        resident = (self._resident(prompt_ids, replicas)
-                    if self.cache_aware and len(replicas) > 1 and prompt_ids else None)
-        with self._lock:
-            turn = next(self._turn)
-            n = len(replicas)
-            order = sorted(range(n), key=lambda i: (replicas[i].inflight, (i - turn) % n))
-            if resident is not None:
-                least = replicas[order[0]].inflight
-                best = max(order, key=lambda i: resident[i])     # stable: least loaded first
-                if resident[best] > 0 and replicas[best].inflight - least < self.MAX_SKEW:
-                    order.remove(best)
-                    order.insert(0, best)
-            return [replicas[i] for i in order]
-
-    def start(self, prompt_ids: list[int], options: pb.PrefillOptions) -> PendingPrefill:
-        """`prefill` on a thread of its own; returns once a replica acknowledged the prompt.
-        A refusal (`PrefillRefused`), or no replica taking it (`PrefillFailed`), raises
-        here; what fails after the acknowledgement is the pending prefill's `result`."""
-        pending = PendingPrefill()
-        threading.Thread(target=pending.run, daemon=True, name="prefill-call", args=(
-            lambda: self.prefill(prompt_ids, options, pending.handle, pending.acked.set),
-        )).start()
-        pending.acked.wait()
-        if pending.done():
-            pending.result()                # raises what ended it before a replica took it
-        return pending
-
-    def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
-                cancel: CancelHandle | None = None, acked=None) -> PromptExport:
-        request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options,
-                                    nccl_peer=self.peer if self.links is not None else "")
-        errors, tried = [], set()
-        order = self._order(prompt_ids)
-        while order:
-            replica = order.pop(0)
-            if cancel is not None and cancel.cancelled:
-                raise PrefillCancelled()
-            with self._lock:
-                removed = replica.removed
-                if not removed:
-                    replica.inflight += 1
-            if removed:                      # the list changed since `order` was made
-                order = [r for r in self._order() if r.address not in tried]
-                continue
-            tried.add(replica.address)
-            try:
-                call = replica.stub.Prefill(request)
-                if cancel is not None:
-                    cancel.attach(call)
-                return self._receive(call, len(prompt_ids), replica, acked)
-            except grpc.RpcError as err:
-                code = err.code()
-                if code == grpc.StatusCode.CANCELLED:
-                    raise PrefillCancelled() from err
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise PrefillFailed(f"prefill replica {replica.address}: "
-                                        f"{code.name}: {err.details()}") from err
-                errors.append(f"{replica.address}: {err.details()}")
-                with self._lock:
-                    self.retries += 1
-            finally:
-                with self._lock:
-                    replica.inflight -= 1
-                    if replica.removed and replica.inflight == 0:
-                        replica.channel.close()
-        raise PrefillFailed("no prefill replica is available (" + "; ".join(errors) + ")")
-
-    def _receive(self, call, n: int, replica: _Replica | None = None,
-                 acked=None) -> PromptExport:
-        cfg = self.cfg
-        events = iter(call)
-        first = next(events, None)
-        if first is None or first.WhichOneof("part") != "ack":
-            raise PrefillFailed("the prefill stream did not start with an acknowledgement")
-        ack = first.ack
-        if ack.refused:
-            raise PrefillRefused(ack.error_field, ack.error)
-        if acked is not None:
-            acked()
-        fa = {l: i for i, l in enumerate(cfg.full_attention_layers)}
-        gdn = {l: i for i, l in enumerate(cfg.linear_attention_layers)}
-        dev = self.device
-        kv = torch.empty(len(fa), 2, n, cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
-                         device=dev)
-        conv = rec = None
-        if gdn:
-            conv = torch.empty(len(gdn), cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1,
-                               dtype=self.dtype, device=dev)
-            rec = torch.empty(len(gdn), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim, dtype=torch.float32, device=dev)
-        # nccl: (destination, metadata) in event order, the bytes pulled at the end
-        parts: list[tuple[torch.Tensor, pb.Tensor]] = []
-
-        def take(dst: torch.Tensor, m: pb.Tensor) -> None:
-            if self.links is None:
-                dst.copy_(from_proto(m))
-            else:
-                parts.append((dst, m))
-        transfer = None
-        seen = set()
-        for ev in events:
-            part = ev.WhichOneof("part")
-            if part == "kv":
-                take(kv[fa[ev.kv.layer], 0], ev.kv.k)
-                take(kv[fa[ev.kv.layer], 1], ev.kv.v)
-                seen.add(ev.kv.layer)
-            elif part == "state":
-                take(conv[gdn[ev.state.layer]], ev.state.conv)
-                take(rec[gdn[ev.state.layer]], ev.state.recurrent)
-                seen.add(ev.state.layer)
-            elif part == "transfer":
-                transfer = ev.transfer
-            elif part == "logits":
-                if len(seen) != len(fa) + len(gdn):
-                    raise PrefillFailed(f"the prefill stream missed layers "
-                                        f"{sorted((set(fa) | set(gdn)) - seen)}")
-                if self.links is not None:
-                    if transfer is None or transfer.tensors != len(parts):
-                        raise PrefillFailed("the prefill stream did not announce its transfer")
-                    self._pull(replica, transfer.id, parts)
-                return PromptExport(kv, conv, rec, from_proto(ev.logits))
-        raise PrefillFailed("the prefill stream ended before the logits")
-
-    def _pull(self, replica: _Replica, transfer: int, parts) -> None:
-        """nccl: ask the replica to send transfer `transfer`, then receive its tensors in
-        order. One pull per link at a time, so concurrent prompts never interleave."""
-        with replica.link_lock:
-            replica.stub.Pull(pb.PullRequest(transfer=transfer, nccl_peer=self.peer,
-                                             tensors=len(parts)))
-            for dst, m in parts:
-                dst.copy_(replica.link.recv(m))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -18,10 +17,9 @@ from redis.retry import Retry
 
 from services.prefix_cache.block import (Block, CorruptBlock, decode_block, encode_block,
                                          token_bytes)
+from services.prefix_cache.config import PrefixCacheConfig
 from services.prefix_cache.metrics import PrefixCacheMetrics
 
-if TYPE_CHECKING:
-    from services.prefix_cache.store import PrefixCacheConfig
 
 
 log = logging.getLogger(__name__)

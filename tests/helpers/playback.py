@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from services.common.messages import StepOutput
-from services.gateway.client import EngineClient
+from services.engine.protocol import EngineClient
 
 
 class PlaybackEngine(EngineClient):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from services.attention.runner import qfirst_engine
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import GenerationParams
 from services.mlp_pool import MLPPool
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from models import load_model
 from services.attention.server import serve_attention
 from services.attention.runner import qfirst_engine
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.gateway.cluster_backend import ClusterBackend
 from services.mlp_pool import MLPPool
 from services.mlp_pool.metrics import MeteredPool, PoolMetrics

@@ -25,13 +25,14 @@ from services.common.codec import params_to_proto
 from services.common.grpc_security import GrpcSecurity
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.deployment.build import EngineOptions, build_engine
 from services.engine import GenerationParams, LLMEngine
 from services.gateway.cluster_backend import ClusterBackend
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
-from services.prefill.server import PrefillClient, serve_prefill
+from services.prefill.client import PrefillClient
+from services.prefill.server import serve_prefill
 from tests.helpers.prefill import prompts
 
 pytestmark = pytest.mark.slow

@@ -28,8 +28,8 @@ from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.deployment.build import EngineOptions, build_engine
 from services.mlp_pool.grpc_server import serve_pool
-from services.prefill.server import (PendingTransfers, PrefillClient, PrefillFailed,
-                                     serve_prefill)
+from services.prefill.client import PrefillClient, PrefillFailed
+from services.prefill.server import PendingTransfers, serve_prefill
 from tests.helpers.pools import PARAMS, generate_stopping_after_prefill, prompts
 from tests.helpers.prefill import PARAMS as PREFILL_PARAMS
 from tests.helpers.prefill import attention as prefill_attention
@@ -185,10 +185,10 @@ class RecordingPrefillClient(PrefillClient):
         super().__init__(*args, **kwargs)
         self.events = []
 
-    def _receive(self, call, n, replica=0):
+    def _receive(self, call, n, conn, acked=None):
         events = list(call)
         self.events += events
-        return super()._receive(iter(events), n, replica)
+        return super()._receive(iter(events), n, conn, acked)
 
 
 @pytest.fixture

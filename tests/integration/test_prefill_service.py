@@ -23,8 +23,9 @@ from services.engine import GenerationParams, LLMEngine
 from services.deployment.build import EngineOptions, build_engine
 from services.common.codec import options_to_proto
 from services.common.messages import PrefillRequest
-from services.prefill.server import (CancelHandle, PrefillCancelled, PrefillClient,
-                                     PrefillFailed, PrefillRefused, serve_prefill)
+from services.prefill.client import (CancelHandle, PrefillCancelled, PrefillClient,
+                                     PrefillFailed, PrefillRefused)
+from services.prefill.server import serve_prefill
 from tests.helpers.checkpoints import FAMILIES
 from tests.helpers.prefill import PARAMS, attention, no_leaks, prompts
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from models import load_model
 from models.loader import read_state_dict
 from services.attention.runner import qfirst_engine
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from tools.zoo.convert_qfirst import (RESULT_FILE, ConversionError, ConvertConfig, HeldOut,

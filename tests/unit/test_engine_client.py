@@ -6,8 +6,8 @@ import inspect
 
 import pytest
 
-from services.gateway.backend import EngineBackend
-from services.gateway.client import EngineClient
+from services.engine.backend import EngineBackend
+from services.engine.protocol import EngineClient
 from services.gateway.cluster_backend import ClusterBackend
 
 MEMBERS = sorted(EngineClient.__abstractmethods__)

@@ -12,7 +12,7 @@ from services.common.faults import ENV, FaultPlan, InjectedFault
 from services.common.messages import EngineDeadError
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.driver import QueueDriver
-from services.gateway.backend import EngineBackend
+from services.engine.backend import EngineBackend
 
 
 # ---- the setting --------------------------------------------------------------------------

@@ -9,7 +9,8 @@ from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.runner import QFirstRunner, qfirst_engine
 from services.common.messages import RequestError
-from services.common.transport import PoolUnavailable, make_transport
+from services.common.transport import PoolUnavailable
+from services.deployment.transports import make_transport
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.runner import CacheLayout
 from services.mlp_pool import MLPPool

@@ -6,7 +6,7 @@ import torch
 
 from models import load_model
 from services.attention.runner import qfirst_engine
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from tests.helpers.checkpoints import qfirst_copy

@@ -11,7 +11,7 @@ from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.runner import qfirst_engine
 from services.common.messages import RequestError
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 

@@ -9,7 +9,7 @@ import torch
 
 from services.attention.runner import qfirst_engine
 from services.common.messages import PrefillRequest
-from services.common.transport import make_transport
+from services.deployment.transports import make_transport
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.mlp_pool import MLPPool
 from services.prefill.service import PrefillConfig, PrefillService

@@ -14,9 +14,10 @@ import threading
 from dataclasses import dataclass, field
 
 from services.common.faults import NO_FAULTS, FaultPlan
+from services.common.messages import GenerationParams, StepOutput
 from services.engine.driver import StepDriver
-from services.engine import GenerationParams, LLMEngine, StepOutput
-from services.gateway.client import EngineClient
+from services.engine.engine import LLMEngine
+from services.engine.protocol import EngineClient
 
 
 @dataclass

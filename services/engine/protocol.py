@@ -1,15 +1,15 @@
 """The one interface the gateway talks to an engine through (vLLM's `engine/protocol.py`).
 
-Two deployments implement it: `EngineBackend` (the engine in this process, on its own thread)
-and `ClusterBackend` (attention services over gRPC). The gateway calls every method from its
-event loop.
+Two deployments implement it: `EngineBackend` (the engine in this process, on its own thread,
+`services.engine.backend`) and `AttentionClient` (attention services over gRPC,
+`services.attention.client`). The gateway calls every method from its event loop.
 """
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
 
-from services.engine import GenerationParams
+from services.common.messages import GenerationParams
 
 
 class EngineClient(ABC):
