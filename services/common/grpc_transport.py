@@ -59,7 +59,7 @@ class GrpcTransport(Transport):
 
     def __init__(self, replicas: list, security: GrpcSecurity = INSECURE):
         self.security = security
-        super().__init__([self._open(r) for r in replicas])
+        super().__init__(replicas)
         self._ids = itertools.count()
 
     def _open(self, replica):
@@ -112,8 +112,7 @@ class GrpcTransport(Transport):
     def submit(self, method: str, *args) -> Pending:
         """Send now, receive on `result()`; a failure there falls back to `call`, which
         retries on the other replicas."""
-        replica = self.replicas[self._next]
-        self._next = (self._next + 1) % len(self.replicas)
+        replica = self.next_replica()
         try:
             replica.send(self._encode(method, args))
         except Exception:
@@ -123,6 +122,6 @@ class GrpcTransport(Transport):
             try:
                 return self._decode(replica, replica.receive(), args)
             except Exception:
-                self.retries += 1
+                self.set.retry()
                 return self.call(method, *args)
         return Pending(fetch)

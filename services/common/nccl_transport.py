@@ -171,8 +171,7 @@ class NcclTransport(GrpcTransport):
     def submit(self, method: str, *args):
         from services.common.transport import Pending
 
-        replica = self.replicas[self._next]
-        self._next = (self._next + 1) % len(self.replicas)
+        replica = self.next_replica()
         try:
             self._send(replica, method, args)
         except Exception:
@@ -182,6 +181,6 @@ class NcclTransport(GrpcTransport):
             try:
                 return self._receive(replica, args)
             except Exception:
-                self.retries += 1
+                self.set.retry()
                 return self.call(method, *args)
         return Pending(fetch)

@@ -29,16 +29,18 @@ class Replica(Generic[C]):
 
 
 class ReplicaSet(Generic[C]):
-    def __init__(self, addresses: list[str], open: Callable[[str], C],
-                 close: Callable[[C], None] = lambda conn: None, what: str = "replica"):
-        """`open(address)` connects a replica, `close(conn)` releases it; `what` names
-        the replicas in errors."""
-        if not addresses:
+    def __init__(self, specs: list, open: Callable[[object], C],
+                 close: Callable[[C], None] = lambda conn: None, what: str = "replica",
+                 key: Callable[[object], str] = lambda spec: spec):
+        """`specs`: how each replica is given (an address, or an in-process pool);
+        `open(spec)` connects one, `close(conn)` releases it; `key(spec)` is what
+        identifies it across `set` calls (its `address`); `what` names them in errors."""
+        if not specs:
             raise ValueError(f"needs at least one {what}")
-        self._open, self._close, self.what = open, close, what
+        self._open, self._close, self._key, self.what = open, close, key, what
         self._lock = threading.Lock()
         self._turn = itertools.count()
-        self.replicas: list[Replica[C]] = [Replica(a, open(a)) for a in addresses]
+        self.replicas: list[Replica[C]] = [Replica(key(s), open(s)) for s in specs]
         self.retried = 0
 
     @property
@@ -72,16 +74,16 @@ class ReplicaSet(Generic[C]):
         with self._lock:
             self.retried += 1
 
-    def set(self, addresses: list[str]) -> list[Replica[C]]:
-        """Use `addresses` from now on; returns the replicas that left (closed already
-        when idle, else at the end of their last call)."""
-        if not addresses:
+    def set(self, specs: list) -> list[Replica[C]]:
+        """Use `specs` from now on; returns the replicas that left (closed already when
+        idle, else at the end of their last call)."""
+        if not specs:
             raise ValueError(f"needs at least one {self.what}")
         with self._lock:
             current = {r.address: r for r in self.replicas}
-            kept = [current.pop(a, None) for a in addresses]
-            self.replicas = [r if r is not None else Replica(a, self._open(a))
-                             for a, r in zip(addresses, kept)]
+            kept = [current.pop(self._key(s), None) for s in specs]
+            self.replicas = [r if r is not None else Replica(self._key(s), self._open(s))
+                             for s, r in zip(specs, kept)]
             idle = []
             for gone in current.values():
                 gone.removed = True

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 
+from services.common.replicas import ReplicaSet
+
 log = logging.getLogger(__name__)
 
 
@@ -29,12 +31,20 @@ class Pending:
 
 
 class Transport(ABC):
+    """Round robin over the pool replicas (`ReplicaSet`); a call that fails on one is made
+    again on each other one once."""
+
     def __init__(self, replicas: list):
-        if not replicas:
-            raise ValueError("a transport needs at least one pool replica")
-        self.replicas = list(replicas)
-        self._next = 0
-        self.retries = 0
+        self.set = ReplicaSet(list(replicas), self._open, self._close, "pool replica",
+                              key=self._key)
+
+    @property
+    def replicas(self) -> list:
+        return [r.conn for r in self.set.replicas]
+
+    @property
+    def retries(self) -> int:
+        return self.set.retried
 
     @abstractmethod
     def _invoke(self, replica, method: str, *args):
@@ -45,19 +55,10 @@ class Transport(ABC):
         thread that makes the calls, between calls (the attention service's step loop,
         between steps), so no call is in flight on a removed replica. Replicas already in
         use (same `_key`) keep their connection; new ones are opened, removed ones closed."""
-        if not replicas:
-            raise ValueError("a transport needs at least one pool replica")
-        current = {self._key(r): r for r in self.replicas}
-        updated = []
-        for r in replicas:
-            kept = current.pop(self._key(r), None)
-            updated.append(kept if kept is not None else self._open(r))
-        self.replicas = updated
-        for gone in current.values():
-            self._close(gone)
-        self._next %= len(self.replicas)
+        self.set.set(list(replicas))
 
-    def _key(self, replica):
+    @staticmethod
+    def _key(replica) -> str:
         """What identifies a replica across `set_replicas` calls."""
         return getattr(replica, "name", replica)
 
@@ -68,21 +69,20 @@ class Transport(ABC):
     def _close(self, replica) -> None:
         """Release what `_open` made (a stream, a channel)."""
 
+    def next_replica(self):
+        """The replica a call starting now goes to first."""
+        return self.set.order()[0].conn
+
     def call(self, method: str, *args):
-        """Round-robin over replicas; on failure, retry each other replica once."""
-        n = len(self.replicas)
         errors = []
-        for attempt in range(n):
-            replica = self.replicas[(self._next + attempt) % n]
+        for replica in self.set.order():
             try:
-                result = self._invoke(replica, method, *args)
-                self._next = (self._next + attempt + 1) % n
-                return result
+                return self._invoke(replica.conn, method, *args)
             except Exception as exc:  # a dead or failing replica: try the next one
-                self.retries += 1
-                errors.append(f"{getattr(replica, 'name', replica)}: {exc}")
+                self.set.retry()
+                errors.append(f"{replica.address}: {exc}")
                 log.warning("pool call %s failed on %s (%s), retrying", method,
-                            getattr(replica, "name", replica), exc)
+                            replica.address, exc)
         raise PoolUnavailable("every MLP pool replica failed: " + "; ".join(errors))
 
     def submit(self, method: str, *args) -> Pending:
