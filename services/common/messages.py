@@ -24,6 +24,10 @@ class RequestError(ValueError):
         self.field, self.value = field_name, value
 
 
+class Unavailable(RuntimeError):
+    """No engine can take a request now (every attention service is down): a 503."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine stopped stepping (vLLM's `EngineDeadError`): every request it held has
     failed, and it takes no more. Its process exits so the orchestrator restarts it."""

@@ -31,7 +31,7 @@ exports the members by state.
 
 `scale` and `view` may be called from any thread (the gateway's event loop); they take the
 lock and return at once. Placement and the members' RPCs go through a `Placement` (Ray:
-`services.deployment.placement`), routing through the gateway's `ClusterBackend`.
+`services.deployment.placement`), routing through a `Routing` (`members.ClusterRouting`).
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ class Placement(Protocol):
 
 
 class Routing(Protocol):
-    """The gateway's side (`ClusterBackend`)."""
+    """The gateway's side (`members.ClusterRouting`)."""
 
     def set_addresses(self, addresses: list[str]) -> None: ...
 

@@ -19,7 +19,7 @@ and prefill replica; the gRPC stream carries only metadata and the logits).
 
 `local` puts `mlp_replicas` pools inside each attention actor (no pool actors); `grpc` and
 `nccl` use pool actors. A dead pool replica's calls are retried on another; a dead attention
-service's requests migrate to another (`services.gateway.cluster_backend`). A member that
+service's requests migrate to another (`services.attention.client`). A member that
 fails stop (its engine cannot step, an injected fault: `services.common.faults`) ends its
 calls UNAVAILABLE, which its callers treat as its death, and exits; the pool manager places
 a replacement. SIGTERM to a member's process drains it (`services.common.sigterm`).

@@ -59,7 +59,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     from services.deployment.placement import RayPlacement
     from services.deployment.pools import PoolManager
     from services.deployment.ray_cluster import POOLS, deploy, init_ray
-    from services.gateway.cluster_backend import ClusterBackend
+    from services.deployment.members import cluster_client
 
     model_dir = Path(config.model)
     fixed = fixed_pools(config)
@@ -72,15 +72,15 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     # the autoscaler's targets are the objectives the gateway exports to the alert rules
     metrics = GatewayMetrics(objectives=objectives_for(policy and policy.slo_ttft_s,
                                                        policy and policy.slo_itl_s))
-    backend = ClusterBackend(cluster.attention_addresses, metrics.registry,
-                             prefill_addresses=cluster.prefill_addresses,
-                             pool_addresses=cluster.pool_addresses, security=config.security)
+    backend, routing = cluster_client(cluster.attention_addresses, metrics.registry,
+                                      config.security, cluster.prefill_addresses,
+                                      cluster.pool_addresses)
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics)
     slots = config.max_num_seqs * config.attention_shards
     app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots)
     placement = RayPlacement(cluster)
-    app.state.pools = PoolManager(placement, backend, placement.members(), max_replicas,
+    app.state.pools = PoolManager(placement, routing, placement.members(), max_replicas,
                                   drain_timeout_s, fixed, registry=metrics.registry,
                                   autoscaler=autoscaler, latency=(metrics.ttft, metrics.itl))
     cluster.closers.append(app.state.pools.close)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from kernels.sampling import SamplingError, SamplingParams
 from services.common.messages import (EngineDeadError, GenerationParams, PrefillRequest,
-                                      RequestError)
+                                      RequestError, Unavailable)
 from services.engine.protocol import EngineClient
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.logprobs import TokenLogprob, TokenText
@@ -23,7 +23,7 @@ from services.gateway.stops import StopStrings
 
 
 class Gateway:
-    """`backend`: an `EngineBackend` (embedded engine) or a `ClusterBackend` (attention
+    """`backend`: an `EngineBackend` (embedded engine) or an `AttentionClient` (attention
     services over gRPC)."""
 
     def __init__(self, backend: EngineClient, tokenizer, model_name: str, max_model_len: int,
@@ -118,9 +118,10 @@ class Gateway:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
             raise APIError(400, str(exc), exc.field) from exc
-        except EngineDeadError as exc:
+        except (EngineDeadError, Unavailable) as exc:
             raise APIError(503, str(exc), type_="service_unavailable",
-                           code="engine_dead") from exc
+                           code="engine_dead" if isinstance(exc, EngineDeadError)
+                           else None) from exc
         self.metrics.prompt_tokens.inc(len(ids))
         self.metrics.running.inc()
         detok = IncrementalDetokenizer(self.tokenizer, skip_special)

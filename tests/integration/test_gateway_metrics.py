@@ -13,7 +13,7 @@ from models import load_model
 from services.attention.server import serve_attention
 from services.attention.runner import qfirst_engine
 from services.deployment.transports import make_transport
-from services.gateway.cluster_backend import ClusterBackend
+from services.deployment.members import cluster_client
 from services.mlp_pool import MLPPool
 from services.mlp_pool.metrics import MeteredPool, PoolMetrics
 from tests.helpers.pools import PARAMS, prompts
@@ -33,7 +33,7 @@ def test_local_pool_metrics_reach_the_gateway(tiny_checkpoint):
     steps = sum(len(r.output_ids) for r in got)
     server, address, loop = serve_attention(service, transport="local", registry=pool_registry)
     gateway_registry = CollectorRegistry()
-    backend = ClusterBackend([address], registry=gateway_registry)
+    backend, _ = cluster_client([address], gateway_registry)
     try:
         asyncio.run(backend.refresh())
         text = generate_latest(gateway_registry).decode()

@@ -28,7 +28,7 @@ from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.deployment.transports import make_transport
 from services.deployment.build import EngineOptions, build_engine
 from services.engine import GenerationParams, LLMEngine
-from services.gateway.cluster_backend import ClusterBackend
+from services.attention.client import AttentionClient
 from services.mlp_pool import MLPPool
 from services.mlp_pool.grpc_server import serve_pool
 from services.prefill.client import PrefillClient
@@ -107,7 +107,7 @@ def assert_refused(calls: dict, code=grpc.StatusCode.UNAUTHENTICATED) -> None:
 def generate_through_gateway_backend(s: dict, security: GrpcSecurity) -> list[list[int]]:
     """The gateway's grpc.aio client: each prompt's tokens."""
     async def run():
-        backend = ClusterBackend([s["attention"]], security=security)
+        backend = AttentionClient([s["attention"]], security=security)
         out = []
         for p in prompts():
             _, queue = await backend.submit(p, PARAMS)

@@ -8,7 +8,7 @@ import pytest
 
 from services.engine.backend import EngineBackend
 from services.engine.protocol import EngineClient
-from services.gateway.cluster_backend import ClusterBackend
+from services.attention.client import AttentionClient
 
 MEMBERS = sorted(EngineClient.__abstractmethods__)
 
@@ -17,7 +17,7 @@ def test_the_protocol_is_what_the_gateway_calls():
     assert MEMBERS == ["abort", "healthy", "kv_usage", "num_running", "refresh", "submit"]
 
 
-@pytest.mark.parametrize("cls", [EngineBackend, ClusterBackend])
+@pytest.mark.parametrize("cls", [EngineBackend, AttentionClient])
 @pytest.mark.parametrize("name", MEMBERS)
 def test_backend_implements_the_protocol(cls, name):
     assert issubclass(cls, EngineClient) and not cls.__abstractmethods__
@@ -29,6 +29,6 @@ def test_backend_implements_the_protocol(cls, name):
 
 def parameters(method) -> list[tuple]:
     """Name, kind, default and annotation of each parameter. Returns are not compared: one
-    may say more than the protocol's (ClusterBackend.refresh returns the stats it polled)."""
+    may say more than the protocol's (AttentionClient.refresh returns the stats it polled)."""
     return [(p.name, p.kind, p.default, p.annotation)
             for p in inspect.signature(method).parameters.values()]

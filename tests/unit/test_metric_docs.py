@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from services.gateway.cluster_backend import ClusterBackend
+from services.deployment.members import cluster_client
 from services.gateway.metrics import GatewayMetrics
 from services.mlp_pool.metrics import CALL_BUCKETS, ROW_BUCKETS, STAGE_BUCKETS
 from services.prefill.metrics import PREFILL_BUCKETS
@@ -32,7 +32,7 @@ def declared(registry: CollectorRegistry) -> dict[str, list[float]]:
 def in_code() -> dict[str, list[float]]:
     registry = CollectorRegistry()
     GatewayMetrics(registry)
-    ClusterBackend(["127.0.0.1:1"], registry)      # migration pause; connects to nothing
+    cluster_client(["127.0.0.1:1"], registry)      # migration pause; connects to nothing
     out = declared(registry)
     for name in ("splitstack_prefill_request_seconds", "splitstack_prefill_send_seconds",
                  "splitstack_prefill_seconds"):

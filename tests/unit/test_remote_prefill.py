@@ -70,9 +70,14 @@ def test_a_request_waits_in_the_scheduler_and_continues_exactly(model):
     assert engine.has_unfinished() and not engine.has_work()   # only the wait: idle
     pending.export = export
     assert engine.has_work()
+    firsts = []
     while engine.has_unfinished():
-        engine.step()
+        firsts += [o for o in engine.step() if o.seq_id == sid and o.queue_s is not None]
     assert seq.output_ids == want and seq.finish_reason == "length"
+    # the wait for the prefill elsewhere counts as prefill, not as queueing
+    (first,) = firsts
+    assert seq.remote_s > 0 and first.prefill_s >= seq.remote_s
+    assert first.queue_s == seq.scheduled_s - seq.arrival_s - seq.remote_s
     assert engine.blocks.num_free == engine.blocks.num_blocks
     engine.blocks.check()
 

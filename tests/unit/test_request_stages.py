@@ -13,7 +13,7 @@ from services.common.messages import StepOutput
 from services.common.pb import splitstack_pb2 as pb
 from services.common.tokenizer import load_tokenizer
 from services.engine import EngineConfig, GenerationParams, LLMEngine
-from services.gateway.cluster_backend import _stage_times as event_stage_times
+from services.attention.client import _stage_times as event_stage_times
 from services.gateway.gateway import Gateway
 from services.gateway.metrics import FINISH_REASONS
 from services.gateway.protocol import APIError
@@ -48,13 +48,13 @@ def test_the_first_token_of_each_request_carries_its_queue_and_prefill_times(tin
 
 
 def test_stage_times_cross_the_attention_services_stream():
-    out = StepOutput(0, 5, -0.1, False, None, queue_s=0.25, prefill_s=0.5)
-    fields = attention_stage_times(out, remote_s=1.0)      # the prefill replica's call
+    out = StepOutput(0, 5, -0.1, False, None, queue_s=0.25, prefill_s=1.5)
+    fields = attention_stage_times(out)
     assert fields == {"queue_s": 0.25, "prefill_s": 1.5}
     event = pb.GenerateEvent(has_token=True, token=5, **fields)
     assert event_stage_times(pb.GenerateEvent.FromString(event.SerializeToString())) == fields
     later = StepOutput(0, 6, -0.1, False, None)
-    assert attention_stage_times(later, 1.0) == {}
+    assert attention_stage_times(later) == {}
     assert event_stage_times(pb.GenerateEvent(has_token=True, token=6)) == {}
     # a measured 0.0 is still a measurement
     assert event_stage_times(pb.GenerateEvent(queue_s=0.0, prefill_s=0.0)) == {
