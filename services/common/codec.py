@@ -1,6 +1,7 @@
 """Proto codecs, in one place: torch tensors, sampling parameters and the request tokens a
-pool's final call carries for them, a `GenerateRequest` and its events' prompt log-probs, and
-the prefill options a request carries to a prefill replica.
+pool's final call carries for them, what a pool call's reply holds, a `GenerateRequest` and
+its events' prompt log-probs, and the prefill options a request carries to a prefill
+replica.
 
 Tensors go as dtype name, shape and raw C-contiguous bytes. The pool is stateless, so each
 final call also carries what the penalties read: a request's distinct tokens and its
@@ -14,7 +15,8 @@ import numpy as np
 import torch
 
 from kernels.sampling import History, SamplingParams, TokenLogprob
-from services.common.messages import GenerationParams, PrefillRequest, RequestError
+from models.gdn import GDNInputs
+from services.common.messages import GenerationParams, PrefillRequest, RequestError, StageOutput
 from services.common.pb import splitstack_pb2 as pb
 
 
@@ -72,6 +74,41 @@ def history_from(msg) -> History:
     """What a pool row's processing reads; the distinct tokens stand for the prompt, which
     is all the repetition penalty needs of it."""
     return History(list(msg.seen_ids), list(msg.output_ids), list(msg.banned_ids))
+
+
+# ---- pool replies (MLP pool -> cache side) ------------------------------------------------
+def generator_state(g: torch.Generator | None) -> bytes:
+    """A request's sampler as a final call carries it (none: empty)."""
+    return g.get_state().numpy().tobytes() if g is not None else b""
+
+
+def generator_from(state: bytes) -> torch.Generator | None:
+    if not state:
+        return None
+    gen = torch.Generator()
+    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen
+
+
+def stage_parts(out: StageOutput) -> tuple[str, tuple]:
+    """A stage's output as its reply's kind and tensors (`reply_value` reads them back)."""
+    if out.gdn is None:
+        return "attn", (out.z, out.k, out.v)
+    return "gdn", (out.z, *out.gdn)
+
+
+def reply_value(kind: str, tensors: list, generator_states=(), generators=()):
+    """What a pool call returns, from its reply: a stage's `StageOutput`, a score's or a
+    final's tensors. A final also leaves each request's own generator where the pool's
+    draw left it (`generator_states`)."""
+    if kind == "attn":
+        return StageOutput(tensors[0], tensors[1], tensors[2])
+    if kind == "gdn":
+        return StageOutput(tensors[0], gdn=GDNInputs(*tensors[1:]))
+    for g, state in zip(generators, generator_states):
+        if g is not None:
+            g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return tuple(tensors)
 
 
 # ---- generate requests (gateway -> attention service) ------------------------------------

@@ -6,14 +6,12 @@ import itertools
 import queue
 
 import grpc
-import torch
 
-from models.gdn import GDNInputs
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.codec import from_proto, history_fields, processing_fields, to_proto
+from services.common.codec import (from_proto, generator_state, history_fields,
+                                   processing_fields, reply_value, to_proto)
 from services.common.grpc_security import INSECURE, GrpcSecurity
-from services.common.messages import StageOutput
 from services.common.transport import Pending, Transport
 
 _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
@@ -78,8 +76,7 @@ class GrpcTransport(Transport):
             u, params, generators, histories = args
             return pb.PoolRequest(id=rid, final=pb.FinalCall(u=to_proto(u), params=[
                 pb.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                                  generator_state=(g.get_state().numpy().tobytes()
-                                                   if g is not None else b""),
+                                  generator_state=generator_state(g),
                                   **processing_fields(p), **history_fields(p, h))
                 for p, g, h in zip(params, generators, histories or [None] * len(params))]))
         if method == "score":
@@ -95,16 +92,8 @@ class GrpcTransport(Transport):
     def _decode_tensors(self, replica, reply: pb.PoolReply, tensors: list, args):
         if reply.error:
             raise RuntimeError(f"{replica.name}: {reply.error}")
-        if reply.kind == "attn":
-            return StageOutput(tensors[0], tensors[1], tensors[2])
-        if reply.kind == "gdn":
-            return StageOutput(tensors[0], gdn=GDNInputs(*tensors[1:]))
-        if reply.kind == "score":
-            return tuple(tensors)
-        for g, state in zip(args[2], reply.generator_states):
-            if g is not None:                # advance the request's own generator
-                g.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-        return tuple(tensors)
+        return reply_value(reply.kind, tensors, reply.generator_states,
+                           args[2] if reply.kind == "final" else ())
 
     def _invoke(self, replica: PoolStream, method: str, *args):
         return self._decode(replica, replica.roundtrip(self._encode(method, args)), args)

@@ -5,25 +5,17 @@ import threading
 from typing import Callable
 
 import grpc
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.sampling import SamplingParams
 from services.common import sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
-from services.common.codec import from_proto, history_from, processing_from, to_proto
+from services.common.codec import (from_proto, generator_from, generator_state, history_from,
+                                   processing_from, stage_parts, to_proto)
 from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.mlp_pool.pool import MLPPool
-
-
-def _generator(state: bytes) -> torch.Generator | None:
-    if not state:
-        return None
-    gen = torch.Generator()
-    gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return gen
 
 
 class PoolServicer(pb_grpc.MLPPoolServicer):
@@ -58,18 +50,16 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
         get = link.recv if link is not None else from_proto
         if req.HasField("stage"):
             out = self.pool.stage(req.stage.layer, get(req.stage.u), get(req.stage.positions))
-            if out.gdn is None:
-                return self._reply(req.id, "attn", (out.z, out.k, out.v), link)
-            return self._reply(req.id, "gdn", (out.z, *out.gdn), link)
+            return self._reply(req.id, *stage_parts(out), link)
         if req.HasField("score"):
             out = self.pool.score(get(req.score.u), get(req.score.targets), req.score.k)
             return self._reply(req.id, "score", out, link)
         params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                                  **processing_from(p)) for p in req.final.params]
-        gens = [_generator(p.generator_state) for p in req.final.params]
+        gens = [generator_from(p.generator_state) for p in req.final.params]
         histories = [history_from(p) for p in req.final.params]
         tokens, logprobs, logits = self.pool.final(get(req.final.u), params, gens, histories)
-        states = [g.get_state().numpy().tobytes() if g is not None else b"" for g in gens]
+        states = [generator_state(g) for g in gens]
         return self._reply(req.id, "final", (tokens, logprobs, logits), link, states)
 
     @staticmethod
