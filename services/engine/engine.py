@@ -149,7 +149,7 @@ class LLMEngine:
                                f"needs {self.blocks.blocks_for(total)} KV blocks, the cache "
                                f"has {self.blocks.num_blocks}")
         if remote and params.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs", params.prompt_logprobs,
+            raise RequestError("echo", True,
                                "the prompt's log-probs need this engine's own prefill; this "
                                "deployment prefills on prefill replicas")
         fill = None if remote else self._resolve_fill(params.prefill, len(prompt_ids))

@@ -104,7 +104,9 @@ def scenario(cluster: Cluster, plan: dict, out: dict) -> None:
     # their own groups once the worker pods join
     started = cluster.apply(without_workers(plan["initial"]))
     gateway = next(p for p in started if p.owner.startswith("Deployment/"))
-    wait_for(lambda: "Ray runtime started" in gateway.log.read_text(), 120)
+    # its log appears once its container starts (after the init containers)
+    wait_for(lambda: gateway.log.exists() and "Ray runtime started" in gateway.log.read_text(),
+             120)
     time.sleep(plan.get("workers_after_s", 20))
     out["served_before_workers"] = "splitstack serving" in gateway.log.read_text()
     started += cluster.apply(plan["initial"])
