@@ -63,9 +63,9 @@ def concurrently(base, on_started=None):
         return [f.result() for f in futures]
 
 
-def assert_no_leaks(ray, cluster, alive):
-    for i in alive:
-        free, total = ray.get(cluster.attention[i].blocks.remote())
+def assert_no_leaks(ray, actors):
+    for actor in actors:
+        free, total = ray.get(actor.blocks.remote())
         assert free == total
 
 
@@ -85,7 +85,7 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     chat = client.chat.completions.create(model="smollm2-135m", max_tokens=8,
                                           messages=[{"role": "user", "content": "Hi!"}])
     assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, handles.attention)
     metrics = httpx.get(base + "/metrics").text
     assert "splitstack_kv_cache_usage_ratio" in metrics
     for address in handles.attention_addresses:          # one series per attention service
@@ -133,7 +133,7 @@ def test_logprobs_travel_from_the_attention_service(cluster, ray_session):
         assert abs(lp.token_logprobs[j] - full[j - 1, ids[j]].item()) < 1e-3
         assert set(lp.top_logprobs[j]) == {tok.decode([t]) for t in full[j - 1].topk(2).indices
                                            .tolist()} | {lp.tokens[j]}
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, handles.attention)
 
 
 def test_penalties_and_logit_bias_reach_the_pool(cluster, ray_session):
@@ -165,7 +165,7 @@ def test_penalties_and_logit_bias_reach_the_pool(cluster, ray_session):
         extra_body={"min_tokens": 5, "stop_token_ids": [first]}).choices[0].text
     assert got == tok.decode(ref, skip_special_tokens=True) and len(ref) >= 5
     assert ref[0] != first
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, handles.attention)
 
 
 def test_n_choices_over_the_cluster(cluster, ray_session):
@@ -184,7 +184,7 @@ def test_n_choices_over_the_cluster(cluster, ray_session):
     assert [ch.text for ch in sorted(resp.choices, key=lambda ch: ch.index)] == [
         tok.decode(r.output_ids, skip_special_tokens=True) for r in refs]
     assert resp.usage.completion_tokens == 3 * MAX_TOKENS
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, handles.attention)
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -238,7 +238,7 @@ def test_client_disconnect_cancels_the_request_and_frees_its_kv(cluster, ray_ses
                                                    for a in handles.attention])):
             break
         time.sleep(0.2)
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, handles.attention)
 
 
 @pytest.fixture(scope="module")
@@ -321,10 +321,11 @@ def test_both_deployments_give_identical_results_and_errors(cluster, embedded, r
 
 def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_session):
     base, handles = cluster
+    attention = list(handles.attention)
     results = concurrently(base, on_started=lambda: ray_session.kill(handles.pools[0]))
     assert [err for _, err in results] == [None] * 4
     assert [text for text, _ in results] == reference
-    assert_no_leaks(ray_session, handles, alive=[0, 1])
+    assert_no_leaks(ray_session, attention)
 
 
 def test_killed_attention_service_migrates_its_requests(cluster, reference, ray_session):
@@ -333,12 +334,14 @@ def test_killed_attention_service_migrates_its_requests(cluster, reference, ray_
     the exact engine's output; the client sees no error event."""
     base, handles = cluster
     before = migrations(base, "failure")
-    results = concurrently(base, on_started=lambda: ray_session.kill(handles.attention[0]))
+    # the pool manager replaces the dead one meanwhile: keep the survivor's handle
+    dead, survivor = handles.attention[0], handles.attention[1]
+    results = concurrently(base, on_started=lambda: ray_session.kill(dead))
     assert all(err is None for _, err in results), results
     assert [text for text, _ in results] == reference
     assert migrations(base, "failure") - before >= 1      # the dead service owned some of them
     assert "splitstack_migration_pause_seconds_count" in httpx.get(base + "/metrics").text
-    assert_no_leaks(ray_session, handles, alive=[1])
+    assert_no_leaks(ray_session, [survivor])
     again = concurrently(base)             # routed around the dead service
     assert [t for t, _ in again] == reference and all(e is None for _, e in again)
     assert httpx.get(base + "/health").status_code == 200
