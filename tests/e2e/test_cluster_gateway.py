@@ -21,7 +21,8 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.server import build_cluster
-from tests.helpers.gateway import ZOO, migrations, running, stream_completion
+from tests.helpers.gateway import (ZOO, migrations, reference_texts, running,
+                                   stream_completion)
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +36,7 @@ def prompt_ids():
 
 @pytest.fixture(scope="module")
 def reference():
-    tok = load_tokenizer(ZOO)
-    params = GenerationParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    seqs = LLMEngine(load_model(ZOO)).generate(prompt_ids(), params)
-    return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+    return reference_texts(prompt_ids(), MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from models import load_model
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
-from tests.helpers.gateway import ZOO
+from tests.helpers.gateway import ZOO, wait_until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,7 @@ def test_sigterm_drains_the_gateway_and_the_stream_finishes():
                              "--dtype", "float32",              # the exact engine's tokens
                              "--drain-timeout", "120", "--log-level", "warning"], cwd=ROOT)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_until_ready(proc, base)
         first, chunks = threading.Event(), []
 
         def stream():

@@ -17,7 +17,7 @@ import pytest
 
 from services.gateway.drain import EXIT_ENGINE_DEAD
 from tests.e2e.test_drain import ROOT, free_port
-from tests.helpers.gateway import ZOO
+from tests.helpers.gateway import ZOO, wait_until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +32,7 @@ def test_a_fault_in_the_step_loop_fails_every_stream_and_the_server_exits():
                              "--served-model-name", "m", "--port", str(port),
                              "--log-level", "warning"], cwd=ROOT, env=env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_until_ready(proc, base)
         started = [threading.Event() for _ in PROMPTS]
 
         def stream(i: int) -> tuple[int, list[dict], float]:

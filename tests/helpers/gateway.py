@@ -88,3 +88,27 @@ def migrations(base: str, reason: str) -> float:
     found = re.search(rf'^splitstack_migrations_total\{{reason="{reason}"\}} ([\d.]+)$',
                       httpx.get(base + "/metrics", timeout=30).text, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def wait_until_ready(proc, base: str, timeout_s: float = 180) -> None:
+    """Until `splitstack serve` (the process `proc`) answers `/ready` with 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline
+        try:
+            if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.3)
+
+
+def reference_texts(prompts: list[list[int]], max_tokens: int) -> list[str]:
+    """What the exact fp32 engine generates greedily for each prompt, as text."""
+    from models import load_model
+    from services.common.tokenizer import load_tokenizer
+    from services.engine import GenerationParams, LLMEngine
+
+    tok = load_tokenizer(ZOO)
+    params = GenerationParams(max_tokens=max_tokens, ignore_eos=True)
+    seqs = LLMEngine(load_model(ZOO)).generate(prompts, params)
+    return [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
