@@ -147,28 +147,40 @@ test-fast: setup
 bench: setup
 	$(PY) -m bench.serving.engine_vs_hf
 
-## bench-peers: the engines bench/peers/run.py compares against, in .peers/ (ignored): llama.cpp
-## from llama-cpp-python's PyPI sdist (compiled for this CPU, ~15 min on 2 cores) with its
-## server, and F32 / BF16 GGUFs of models/zoo/smollm2-135m made by the sdist's own converter
+## bench-peers: the engines bench/peers/run.py compares against, in .peers/ (ignored): llama.cpp's
+## own llama-server (built from llama-cpp-python's PyPI sdist for this CPU, ~5 min on 2 cores),
+## llama-cpp-python with its server (~15 min), and F32 / BF16 / Q8_0 GGUFs of
+## models/zoo/smollm2-135m made by the sdist's own converter
 PEERS      := .peers
 LLAMA_CPP  := llama-cpp-python==0.3.36
-PEER_GGUF  := $(PEERS)/smollm2-135m-f32.gguf $(PEERS)/smollm2-135m-bf16.gguf
+PEER_GGUF  := $(PEERS)/smollm2-135m-f32.gguf $(PEERS)/smollm2-135m-bf16.gguf $(PEERS)/smollm2-135m-q8_0.gguf
+LLAMA_SERVER := $(PEERS)/llama-server/bin/llama-server
 
-bench-peers: $(PEERS)/.installed $(PEER_GGUF)
+bench-peers: $(PEERS)/.installed $(LLAMA_SERVER) $(PEER_GGUF)
 
-$(PEERS)/.installed:
-	rm -rf $(PEERS)/venv $(PEERS)/src && mkdir -p $(PEERS)/sdist $(PEERS)/src
-	$(PYTHON) -m venv $(PEERS)/venv
-	$(PEERS)/venv/bin/pip install -q --upgrade pip
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/venv/bin/pip install -q --no-binary llama-cpp-python \
-		'$(LLAMA_CPP)' 'llama-cpp-python[server]'
-	$(PEERS)/venv/bin/pip download -q --no-deps --no-binary :all: '$(LLAMA_CPP)' -d $(PEERS)/sdist
+$(PEERS)/src/.unpacked:
+	rm -rf $(PEERS)/src $(PEERS)/sdist && mkdir -p $(PEERS)/sdist $(PEERS)/src
+	$(PY) -m pip download -q --no-deps --no-binary :all: '$(LLAMA_CPP)' -d $(PEERS)/sdist
 	tar xzf $(PEERS)/sdist/llama_cpp_python-*.tar.gz -C $(PEERS)/src --strip-components=1
 	# what the converter imports beyond this project's venv, kept out of it
 	$(PY) -m pip install -q --target $(PEERS)/pylib sentencepiece
 	touch $@
 
-$(PEERS)/smollm2-135m-%.gguf: $(PEERS)/.installed $(SMOLLM)
+$(LLAMA_SERVER): $(PEERS)/src/.unpacked
+	cmake -S $(PEERS)/src/vendor/llama.cpp -B $(PEERS)/llama-server -DCMAKE_BUILD_TYPE=Release \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF \
+		-DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF > /dev/null
+	cmake --build $(PEERS)/llama-server --target llama-server -j$$(nproc) > /dev/null
+
+$(PEERS)/.installed: $(PEERS)/src/.unpacked
+	rm -rf $(PEERS)/venv
+	$(PYTHON) -m venv $(PEERS)/venv
+	$(PEERS)/venv/bin/pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PEERS)/venv/bin/pip install -q --no-binary llama-cpp-python \
+		'$(LLAMA_CPP)' 'llama-cpp-python[server]'
+	touch $@
+
+$(PEERS)/smollm2-135m-%.gguf: $(PEERS)/src/.unpacked $(SMOLLM)
 	PYTHONPATH=$(PEERS)/src/vendor/llama.cpp/gguf-py:$(PEERS)/pylib $(PY) $(PEERS)/src/vendor/llama.cpp/convert_hf_to_gguf.py \
 		$(ZOO)/smollm2-135m --outtype $* --outfile $@
 

@@ -146,6 +146,22 @@ SERVERS = {   # name -> command line (PORT filled in)
                                 str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
                                 "--log-level", "warning", "--attention-shards", "1",
                                 "--mlp-replicas", "1", "--quantization", "int8"],
+    "splitstack --engine-process": [sys.executable, "-m", "services.cli", "serve", "--model",
+                                    str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
+                                    "--log-level", "warning", "--engine-process"],
+    "splitstack int8 --compile --engine-process": [
+        sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
+        "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--quantization", "int8",
+        "--compile", "--engine-process"],
+    # llama.cpp's own server, parallel slots and continuous batching (`make bench-peers`)
+    "llama-server": [str(PEERS / "llama-server/bin/llama-server"), "-m",
+                     str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1", "--port",
+                     "{port}", "-c", "{context}", "-np", "{slots}", "-cb", "--log-disable"],
+    "llama-server Q8_0": [str(PEERS / "llama-server/bin/llama-server"), "-m",
+                          str(PEERS / "smollm2-135m-q8_0.gguf"), "--host", "127.0.0.1",
+                          "--port", "{port}", "-c", "{context}", "-np", "{slots}", "-cb",
+                          "--log-disable"],
+    # llama-cpp-python's server: one slot (a footnote; what a Python user might pick)
     "llama.cpp server": [str(PEERS / "venv/bin/python"), "-m", "llama_cpp.server", "--model",
                          str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1",
                          "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512",
@@ -180,9 +196,13 @@ def served(args) -> None:
     try:
         for i, (name, cmd) in enumerate((n, c) for n, c in SERVERS.items() if n in args.servers):
             port = args.port + i
-            cmd = [c.replace("{port}", str(port)) for c in cmd]
+            slots = max(args.concurrency)       # one llama-server slot per client
+            cmd = [c.replace("{port}", str(port)).replace("{slots}", str(slots))
+                   .replace("{context}", str(2048 * slots)) for c in cmd]
             if name == "llama.cpp server":
                 cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
+            elif name.startswith("llama-server"):
+                cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
             procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                            stderr=open(out_dir / f"{i}.log", "w"))
             urls[name] = f"http://127.0.0.1:{port}"
@@ -218,15 +238,17 @@ def served(args) -> None:
           f"requests per point, at most {args.max_tokens} output tokens, greedy; "
           f"{args.repeats} rounds, medians; {args.threads} threads")
     print(f"# machine: {cpu_line()}")
+    print("ratios: output tok/s against " + ", ".join(
+        f"{n}: {reference(n, procs)}" for n in procs if reference(n, procs) not in (None, n)))
     print("| server | concurrency | output tok/s | TTFT p50 / p99 ms | ITL p50 ms | failed |")
     print("|---|---|---|---|---|---|")
-    ref = "llama.cpp server"
     for name in procs:
+        ref = reference(name, procs)
         for c in args.concurrency:
             pts = points[name][c]
             tput = med(pts, "output_throughput")
             ratio = ""
-            if name != ref and points.get(ref, {}).get(c):
+            if ref and name != ref and points.get(ref, {}).get(c):
                 ratio = f" **{tput / med(points[ref][c], 'output_throughput'):.2f}x**"
             print(f"| {name} | {c} | {tput:.1f}{ratio} | {med(pts, 'p50_ttft_ms'):.0f} / "
                   f"{med(pts, 'p99_ttft_ms'):.0f} | {med(pts, 'p50_itl_ms'):.1f} | "
@@ -239,6 +261,17 @@ def served(args) -> None:
         Path(args.json).write_text(json.dumps({"points": points, "idle_rss_mib": idle,
                                                "idle_after_load_rss_mib": after},
                                               indent=1))
+
+
+def reference(name: str, servers) -> str | None:
+    """The peer a server is compared with, at matched precision: llama-server on the BF16
+    GGUF for bf16 weights, on the Q8_0 GGUF for int8; llama-cpp-python's server when no
+    llama-server runs."""
+    peer = "llama-server Q8_0" if "int8" in name else "llama-server"
+    for candidate in (peer, "llama-server", "llama.cpp server"):
+        if candidate in servers:
+            return candidate
+    return None
 
 
 def first_diff(a: list[int], b: list[int]) -> int:
@@ -277,7 +310,7 @@ def main() -> None:
     served_args.add_argument("--num-requests", type=int, default=48)
     served_args.add_argument("--max-tokens", type=int, default=64)
     served_args.add_argument("--port", type=int, default=18600)
-    served_args.add_argument("--servers", default=["splitstack", "llama.cpp server"],
+    served_args.add_argument("--servers", default=["splitstack", "llama-server"],
                              type=lambda s: [e.strip() for e in s.split(",")],
                              help="comma-separated, of: " + ", ".join(SERVERS))
     args = ap.parse_args()

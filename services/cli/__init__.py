@@ -124,12 +124,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_embedded(serve.model, served_name=serve.served_model_name,
                          dtype=serve.torch_dtype, options=serve.engine_options(),
                          api_key=serve.api_key, limits=serve.http_limits(),
-                         rate_limits=serve.rate_limits())
+                         rate_limits=serve.rate_limits(), threads=serve.torch_threads,
+                         engine_process=serve.engine_process)
+    where = "engine process" if serve.engine_process else "embedded engine"
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
-          f"(embedded engine, {serve.prefill_mode} prefill"
+          f"({where}, {serve.prefill_mode} prefill"
           f"{', prefix cache' if serve.prefix_cache else ''})", file=sys.stderr, flush=True)
-    return serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level,
-                      serve.drain_timeout)
+    try:
+        return serve_http(app, serve.host, serve.port, serve.http_limits(), serve.log_level,
+                          serve.drain_timeout)
+    finally:
+        app.state.gateway.backend.close()
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

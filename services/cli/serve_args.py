@@ -93,6 +93,8 @@ class ServeArgs:
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
                                low=1e-3)
     threads: int | None = flag(None, "torch threads (embedded: 2; per Ray actor: 1)", low=1)
+    engine_process: bool = flag(False, "embedded: run the engine in its own process, so the "
+                                       "HTTP front end never holds a step back")
     log_level: str = flag("info", "uvicorn's log level")
 
     disaggregated: bool = flag(False, "attention services + MLP pool as Ray actors (defaults "
@@ -273,9 +275,10 @@ class ServeArgs:
             if meta["group"] not in groups:
                 groups[meta["group"]] = parser.add_argument_group(GROUPS[meta["group"]])
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if kind is bool:
-                groups[meta["group"]].add_argument(flag_name(f.name), action="store_true",
-                                                   help=meta["help"])
+            if kind is bool:      # a flag on by default is turned off with --no-...
+                groups[meta["group"]].add_argument(
+                    flag_name(f.name), default=default, help=meta["help"],
+                    action=argparse.BooleanOptionalAction if default else "store_true")
                 continue
             low, high = meta["low"], meta["high"]
             groups[meta["group"]].add_argument(

@@ -21,7 +21,10 @@ class RequestError(ValueError):
 
     def __init__(self, field_name: str, value, message: str):
         super().__init__(f"{field_name}: {message} (got {value!r})")
-        self.field, self.value = field_name, value
+        self.field, self.value, self.message = field_name, value, message
+
+    def __reduce__(self):                  # pickled whole (the engine process's refusals)
+        return type(self), (self.field, self.value, self.message)
 
 
 class Unavailable(RuntimeError):

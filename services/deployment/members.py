@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import grpc
 from prometheus_client import Gauge
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.attention.client import AttentionClient, Channel
 from services.common.grpc_security import INSECURE, GrpcSecurity
+from services.common.reexport import ReExported
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.gateway.metrics import PolledCounter
@@ -25,22 +24,9 @@ from services.gateway.metrics import PolledCounter
 STUBS = {"prefill": pb_grpc.PrefillStub, "pool": pb_grpc.MLPPoolStub}
 
 
-class RemoteMetrics:
-    """A collector re-exporting what other services exported (their Prometheus text, as
-    polled), each sample labelled with the `service` it came from."""
-
-    def __init__(self):
-        self.latest: dict[str, str] = {}      # service address -> its exposition text
-
-    def collect(self):
-        merged: dict[str, Metric] = {}
-        for service, text in sorted(self.latest.items()):
-            for fam in text_string_to_metric_families(text):
-                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
-                for sample in fam.samples:
-                    out.add_sample(sample.name, {**sample.labels, "service": service},
-                                   sample.value, sample.timestamp)
-        yield from merged.values()
+class RemoteMetrics(ReExported):
+    """Other services' metrics (their Prometheus text, as polled), each sample labelled
+    with the `service` it came from."""
 
 
 class MemberMetrics:

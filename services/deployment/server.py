@@ -1,6 +1,7 @@
 """Wiring for the embedded deployment: one process, the exact engine behind the gateway."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from services.common.tokenizer import default_temperature, load_tokenizer
 from services.deployment.build import EngineOptions, build_engine
 from services.gateway.app import Gateway, build_app
 from services.engine.backend import EngineBackend
+from services.engine.process import EngineProcess
 from services.gateway.limits import HttpLimits
 from services.gateway.ratelimit import RateLimits
 from services.gateway.metrics import GatewayMetrics, export_pool_limits, objectives_for
@@ -20,16 +22,40 @@ from services.gateway.metrics import GatewayMetrics, export_pool_limits, objecti
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    dtype: torch.dtype = torch.float32, options: EngineOptions | None = None,
                    api_key: str | None = None, limits: HttpLimits | None = None,
-                   rate_limits: RateLimits | None = None, **engine_options):
+                   rate_limits: RateLimits | None = None, threads: int | None = None,
+                   engine_process: bool = False, **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
     `ridgefill`; `prefix_cache_bytes` (--prefix-cache) turns the prefix cache on, keyed by
     the model's fingerprint and dtype, and requests may set their own `replay_ratio`.
     `limits`, `rate_limits`: the gateway's (`build_app`); the engine's `max_num_seqs` are
-    its running slots."""
+    its running slots. `engine_process`: the engine steps in a child process
+    (`EngineProcess`) instead of on a thread of this one (`EngineBackend`); `threads`: its
+    torch threads (None: as this process has them)."""
     model_dir = Path(model_dir)
     options = options or EngineOptions(**engine_options)
+    build = functools.partial(embedded_engine, model_dir, dtype, options, threads)
+    if engine_process:
+        registry = CollectorRegistry()
+        backend = EngineProcess(build, registry)
+        max_model_len = backend.max_model_len
+    else:
+        engine, registry = build()
+        backend = EngineBackend(engine, FaultPlan.from_env())     # read once, at start
+        max_model_len = engine.max_model_len
+    gateway = Gateway(backend, load_tokenizer(model_dir),
+                      served_name or model_dir.name, max_model_len,
+                      default_temperature(model_dir), metrics=GatewayMetrics(registry))
+    return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs)
+
+
+def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
+                    threads: int | None = None):
+    """-> (the embedded deployment's engine, the registry its metrics went into); in the
+    process that steps it."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = load_model(model_dir, dtype=dtype).quantize(options.quantization)
     if options.compile_decode:
         from services.engine.compiled_decode import use_cache_dir
@@ -37,11 +63,7 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
         use_cache_dir()
     registry = CollectorRegistry()
     engine, _ = build_engine(model, model_dir, options, registry)
-    backend = EngineBackend(engine, FaultPlan.from_env())     # read once, at start
-    gateway = Gateway(backend, load_tokenizer(model_dir),
-                      served_name or model_dir.name, engine.max_model_len,
-                      default_temperature(model_dir), metrics=GatewayMetrics(registry))
-    return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs)
+    return engine, registry
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,

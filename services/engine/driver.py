@@ -106,6 +106,10 @@ class StepDriver:
         """Tell the caller of `sub` that its request failed because the engine died."""
         self._send(sub, StepOutput(seq_id, None, None, True, "error", str(error)))
 
+    def _flush(self) -> None:
+        """What `_send` held back may go now: called after each step's outputs and after
+        each round of commands (a driver that batches its messages sends them here)."""
+
     def _handle(self, kind: str, arg) -> None:
         if kind == "add":   # arg: a submission: prompt_ids, params, extra, done, error
             try:
@@ -152,12 +156,14 @@ class StepDriver:
                     block = False
             except queue.Empty:
                 pass
+            self._flush()
             if not self.engine.has_work():
                 continue
             start = time.perf_counter()
             self._fault.hit()
             for out in self.engine.step():
                 self._deliver(out)
+            self._flush()
             self.stats["steps"] += 1
             self.stats["last_step_s"] = time.perf_counter() - start
 
@@ -176,6 +182,10 @@ class StepDriver:
             except Exception:  # noqa: BLE001 — tell every other caller regardless
                 log.exception("could not tell request %s's caller", seq_id)
         self.streams.clear()
+        try:
+            self._flush()
+        except Exception:  # noqa: BLE001
+            log.exception("could not send the failed requests' outputs")
         while True:                               # what was queued before `dead` was set
             try:
                 kind, arg = self.commands.get_nowait()

@@ -1,7 +1,8 @@
 """The one interface the gateway talks to an engine through (vLLM's `engine/protocol.py`).
 
-Two deployments implement it: `EngineBackend` (the engine in this process, on its own thread,
-`services.engine.backend`) and `AttentionClient` (attention services over gRPC,
+Three implement it: `EngineBackend` (the engine in this process, on its own thread,
+`services.engine.backend`), `EngineProcess` (the engine in a child process,
+`services.engine.process`) and `AttentionClient` (attention services over gRPC,
 `services.attention.client`). The gateway calls every method from its event loop.
 """
 from __future__ import annotations
@@ -48,6 +49,9 @@ class EngineClient(ABC):
         """Requests submitted and not yet scheduled (what the last `refresh` saw, for a
         backend that polls it; 0 for one that cannot tell)."""
         return 0
+
+    def close(self) -> None:
+        """Stops what the client started (an engine process); the server calls it last."""
 
     @abstractmethod
     async def refresh(self) -> None:

@@ -134,41 +134,50 @@ class Gateway:
         outcome = "abort"                      # what the request is counted as
         try:
             while True:
-                step = await out.get()
+                # what has come since the last delta, one delta for all of it (an engine
+                # that streams a step's tokens at once, or a reader that fell behind)
+                steps = [await out.get()]
+                while not out.empty():
+                    steps.append(out.get_nowait())
                 now = time.perf_counter()
-                if step.error:
-                    finished, outcome = step.finished, "error"
-                    raise APIError(500, f"generation failed: {step.error}", type_="server_error")
-                new = ""
-                if step.token is not None:
-                    if last is None:
-                        first = now
-                        self._observe_first(step, now - arrival)
-                    else:
-                        self.metrics.itl.observe(now - last)
-                    last = now
-                    count += 1
-                    self.metrics.generation_tokens.inc()
-                    if params.logprobs is not None:
-                        entries.append(TokenLogprob(step.token, step.logprob,
-                                                    list(step.top_logprobs or ())))
-                    if step.prompt_logprobs is not None:
-                        prompt = step.prompt_logprobs
-                    new = detok.add(step.token)
-                reason = step.finish_reason if step.finished else None
-                if reason:
-                    new += detok.pending       # the stream's last bytes, complete or not
-                # stop strings ending within the first min_tokens tokens come too early
-                text, stopped = stop.feed(new, armed=count > params.min_tokens)
-                if stopped:
-                    reason = "stop"
-                elif reason:
-                    text += stop.flush()
-                if reason:     # settled before the last yield: the caller may close there
-                    finished, outcome = step.finished, reason
-                    self.metrics.e2e.observe(now - arrival)
-                    if first is not None:
-                        self.metrics.decode_time.observe(now - first)
+                text, reason = "", None
+                for step in steps:
+                    if step.error:
+                        finished, outcome = step.finished, "error"
+                        raise APIError(500, f"generation failed: {step.error}",
+                                       type_="server_error")
+                    new = ""
+                    if step.token is not None:
+                        if last is None:
+                            first = now
+                            self._observe_first(step, now - arrival)
+                        else:
+                            self.metrics.itl.observe(now - last)
+                        last = now
+                        count += 1
+                        self.metrics.generation_tokens.inc()
+                        if params.logprobs is not None:
+                            entries.append(TokenLogprob(step.token, step.logprob,
+                                                        list(step.top_logprobs or ())))
+                        if step.prompt_logprobs is not None:
+                            prompt = step.prompt_logprobs
+                        new = detok.add(step.token)
+                    reason = step.finish_reason if step.finished else None
+                    if reason:
+                        new += detok.pending       # the stream's last bytes, complete or not
+                    # stop strings ending within the first min_tokens tokens come too early
+                    more, stopped = stop.feed(new, armed=count > params.min_tokens)
+                    text += more
+                    if stopped:
+                        reason = "stop"
+                    elif reason:
+                        text += stop.flush()
+                    if reason:   # settled before the last yield: the caller may close there
+                        finished, outcome = step.finished, reason
+                        self.metrics.e2e.observe(now - arrival)
+                        if first is not None:
+                            self.metrics.decode_time.observe(now - first)
+                        break
                 if text or reason:
                     yield Delta(text, reason, count, entries, prompt)
                     entries, prompt = [], None

@@ -1,4 +1,4 @@
-"""Both gateway backends implement every `EngineClient` method with the protocol's
+"""The gateway backends implement every `EngineClient` method with the protocol's
 parameters, and as coroutines exactly where the protocol has them."""
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import inspect
 import pytest
 
 from services.engine.backend import EngineBackend
+from services.engine.process import EngineProcess
 from services.engine.protocol import EngineClient
 from services.attention.client import AttentionClient
 
@@ -17,7 +18,7 @@ def test_the_protocol_is_what_the_gateway_calls():
     assert MEMBERS == ["abort", "healthy", "kv_usage", "num_running", "refresh", "submit"]
 
 
-@pytest.mark.parametrize("cls", [EngineBackend, AttentionClient])
+@pytest.mark.parametrize("cls", [EngineBackend, EngineProcess, AttentionClient])
 @pytest.mark.parametrize("name", MEMBERS)
 def test_backend_implements_the_protocol(cls, name):
     assert issubclass(cls, EngineClient) and not cls.__abstractmethods__
