@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench.common import MODEL, ROOT, tree_rss_mb
 from kernels.native import cpu_flags
+from services.cli.argtypes import resolve_dtype
 
 PEERS = ROOT / ".peers"
 ENGINES = {   # name -> (python, worker args)
@@ -38,6 +39,11 @@ ENGINES = {   # name -> (python, worker args)
     "splitstack bf16 int8": (sys.executable, ["splitstack", str(MODEL), "bfloat16", "int8"]),
     "splitstack bf16 int8 --compile": (sys.executable, ["splitstack", str(MODEL), "bfloat16",
                                                         "int8", "compile"]),
+    "splitstack fp32 int8": (sys.executable, ["splitstack", str(MODEL), "float32", "int8"]),
+    "splitstack fp32 --compile": (sys.executable,
+                                  ["splitstack", str(MODEL), "float32", "compile"]),
+    "splitstack fp32 int8 --compile": (sys.executable, ["splitstack", str(MODEL), "float32",
+                                                        "int8", "compile"]),
     "HF transformers fp32": (sys.executable, ["hf", str(MODEL), "float32"]),
     "HF transformers bf16": (sys.executable, ["hf", str(MODEL), "bfloat16"]),
     "llama.cpp F32 GGUF": (str(PEERS / "venv/bin/python"),
@@ -46,6 +52,8 @@ ENGINES = {   # name -> (python, worker args)
                             ["llama.cpp", str(PEERS / "smollm2-135m-bf16.gguf")]),
 }
 REFERENCE = "llama.cpp BF16 GGUF"
+# what `splitstack serve --dtype auto` picks on this machine
+SERVED_DTYPE = {"bfloat16": "bf16", "float32": "fp32"}.get(resolve_dtype("auto", False), "fp32")
 
 
 class Worker:
@@ -157,6 +165,9 @@ SERVERS = {   # name -> command line (PORT filled in)
     "llama-server": [str(PEERS / "llama-server/bin/llama-server"), "-m",
                      str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1", "--port",
                      "{port}", "-c", "{context}", "-np", "{slots}", "-cb", "--log-disable"],
+    "llama-server F32": [str(PEERS / "llama-server/bin/llama-server"), "-m",
+                         str(PEERS / "smollm2-135m-f32.gguf"), "--host", "127.0.0.1", "--port",
+                         "{port}", "-c", "{context}", "-np", "{slots}", "-cb", "--log-disable"],
     "llama-server Q8_0": [str(PEERS / "llama-server/bin/llama-server"), "-m",
                           str(PEERS / "smollm2-135m-q8_0.gguf"), "--host", "127.0.0.1",
                           "--port", "{port}", "-c", "{context}", "-np", "{slots}", "-cb",
@@ -167,6 +178,16 @@ SERVERS = {   # name -> command line (PORT filled in)
                          "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512",
                          "--interrupt_requests", "False"],   # else a new request cuts the last
 }
+
+
+def offline_twin(server: str) -> str | None:
+    """The offline engine (ENGINES) with a splitstack server's precision and modes (its
+    `--dtype auto` resolved for this machine): its batch-1 step time, measured in the same
+    run, is what serving adds to."""
+    if not server.startswith("splitstack") or "Q-First" in server:
+        return None
+    return (f"splitstack {SERVED_DTYPE}" + (" int8" if "int8" in server else "")
+            + (" --compile" if "--compile" in server else ""))
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -211,7 +232,16 @@ def served(args) -> None:
             time.sleep(3)
             idle[name] = tree_rss_mb(proc.pid)
         points: dict[str, dict[int, list[dict]]] = {n: {} for n in procs}
+        twins = {offline_twin(n) for n in procs} - {None}
+        workers = {t: Worker(t, args.threads) for t in sorted(twins)}
+        b1 = prompts(1, args.decode_prompt_len, 1)
+        for w in workers.values():
+            w.generate(b1, 4)                                    # warm-up
+        step_ms: dict[str, list[float]] = {t: [] for t in workers}
         for r in range(args.repeats):
+            for t, w in workers.items():          # the engines' own batch-1 step, this round
+                out = w.generate(b1, args.max_tokens)
+                step_ms[t].append(1e3 * (out["total"] - out["first"]) / (args.max_tokens - 1))
             for name in (list(procs) if r % 2 == 0 else list(procs)[::-1]):
                 dest = out_dir / f"{name.split()[0]}-{r}"
                 subprocess.run([sys.executable, "-m", "loadtest", "--url", urls[name],
@@ -225,6 +255,8 @@ def served(args) -> None:
             print(f"round {r + 1}/{args.repeats} done", file=sys.stderr, flush=True)
         time.sleep(5)
         after = {name: tree_rss_mb(proc.pid) for name, proc in procs.items()}
+        for w in workers.values():
+            w.close()
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -253,21 +285,34 @@ def served(args) -> None:
             print(f"| {name} | {c} | {tput:.1f}{ratio} | {med(pts, 'p50_ttft_ms'):.0f} / "
                   f"{med(pts, 'p99_ttft_ms'):.0f} | {med(pts, 'p50_itl_ms'):.1f} | "
                   f"{sum(p['failed'] for p in pts)} |")
+    if 1 in args.concurrency and step_ms:
+        print("serving overhead: served ITL p50 at 1 client minus the same engine's offline "
+              "batch-1 step (median of the rounds), ms")
+        print("| server | served ITL p50 | offline step | overhead |")
+        print("|---|---|---|---|")
+        for name in procs:
+            twin = offline_twin(name)
+            if twin is None:
+                continue
+            itl, step = med(points[name][1], "p50_itl_ms"), statistics.median(step_ms[twin])
+            print(f"| {name} | {itl:.1f} | {step:.1f} ({twin}) | {itl - step:+.1f} |")
     print("| server | RSS MiB, idle at start | RSS MiB, idle after the load |")
     print("|---|---|---|")
     for name, mib in idle.items():
         print(f"| {name} | {mib:.0f} | {after[name]:.0f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"points": points, "idle_rss_mib": idle,
+        Path(args.json).write_text(json.dumps({"points": points, "offline_step_ms": step_ms,
+                                               "idle_rss_mib": idle,
                                                "idle_after_load_rss_mib": after},
                                               indent=1))
 
 
 def reference(name: str, servers) -> str | None:
-    """The peer a server is compared with, at matched precision: llama-server on the BF16
-    GGUF for bf16 weights, on the Q8_0 GGUF for int8; llama-cpp-python's server when no
-    llama-server runs."""
-    peer = "llama-server Q8_0" if "int8" in name else "llama-server"
+    """The peer a server is compared with, at matched precision: llama-server on the Q8_0
+    GGUF for int8 weights, else on the GGUF of `--dtype auto`'s choice here (BF16 on a CPU
+    with native bf16, F32 elsewhere); llama-cpp-python's server when no llama-server runs."""
+    peer = ("llama-server Q8_0" if "int8" in name else
+            "llama-server" if SERVED_DTYPE == "bf16" else "llama-server F32")
     for candidate in (peer, "llama-server", "llama.cpp server"):
         if candidate in servers:
             return candidate

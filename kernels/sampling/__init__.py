@@ -76,19 +76,34 @@ class History(NamedTuple):
     output: Sequence[int]              # the tokens generated so far
     banned: Sequence[int] = ()         # tokens it may not sample now (the end-of-sequence
                                        # and stop tokens before `min_tokens`)
+    allowed: torch.Tensor | None = None   # packed int32 bitmask [ceil(V/32)] of the only
+                                          # tokens it may sample (a grammar), bit t%32 of
+                                          # word t//32; None: any
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A packed int32 bitmask [W] -> bool [vocab_size] (xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.to(torch.int32)[:, None] >> shifts) & 1
+    return bits.reshape(-1)[:vocab_size].bool()
 
 
 def process_logits(logits: torch.Tensor, p: SamplingParams,
                    history: History | None = None) -> torch.Tensor:
     """One row [V]: logit bias, then the repetition penalty over the prompt's and output's
     tokens, then the frequency and presence penalties over the output's (vLLM's order),
-    with the banned tokens at -inf. Returns `logits` itself when nothing changes it."""
+    with the banned tokens, and those a grammar does not allow, at -inf. Returns `logits`
+    itself when nothing changes it."""
     banned = history.banned if history is not None else ()
-    if not p.logit_bias and not p.penalized and not banned:
+    allowed = history.allowed if history is not None else None
+    if not p.logit_bias and not p.penalized and not banned and allowed is None:
         return logits
     if p.penalized and history is None:
         raise ValueError("penalties need the request's tokens (history)")
     logits = logits.clone()
+    if allowed is not None:
+        logits.masked_fill_(~unpack_bitmask(allowed.to(logits.device), logits.shape[-1]),
+                            float("-inf"))
     if banned:
         logits[torch.tensor(list(banned), device=logits.device)] = float("-inf")
     if p.logit_bias:

@@ -63,6 +63,16 @@ def check_request(prompt_ids: list[int], params: GenerationParams, vocab_size: i
 
 
 @dataclass(frozen=True)
+class StructuredSpec:
+    """What a request's output must match (structured outputs): `kind` is json_schema
+    (`value`: the schema as JSON text), json_object (any JSON object), regex or grammar
+    (EBNF); `field`: the request field it came from, named when it cannot be compiled."""
+    kind: str
+    value: str = ""
+    field: str = "response_format"
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     max_tokens: int = 16
     sampling: SamplingParams = SamplingParams()
@@ -79,6 +89,7 @@ class GenerationParams:
     min_tokens: int = 0             # no end-of-sequence or stop token before this many
     prompt_logprobs: int | None = None  # each prompt token's log-prob and k alternatives
                                         # (OpenAI's `echo` with `logprobs`); exact prefill
+    structured: StructuredSpec | None = None   # the grammar the output must match
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -97,13 +108,15 @@ class GenerationParams:
                                   or not 0 <= k <= MAX_LOGPROBS):
                 raise RequestError(name, k, f"must be an integer in [0, {MAX_LOGPROBS}]")
 
-    def history(self, prompt: list[int], output: list[int], eos: tuple[int, ...]) -> History:
-        """What sampling reads of a request at this step: its tokens, and before
-        `min_tokens` the tokens that would end it (stop ids, and EOS unless ignored)."""
+    def history(self, prompt: list[int], output: list[int], eos: tuple[int, ...],
+                allowed=None) -> History:
+        """What sampling reads of a request at this step: its tokens, before `min_tokens`
+        the tokens that would end it (stop ids, and EOS unless ignored), and `allowed`,
+        its grammar's packed bitmask of the tokens it may sample now."""
         banned = ()
         if len(output) < self.min_tokens:
             banned = self.stop_token_ids + (() if self.ignore_eos else tuple(eos))
-        return History(prompt, output, banned)
+        return History(prompt, output, banned, allowed)
 
     def stops(self, output: list[int], tok: int, eos: tuple[int, ...]) -> bool:
         """`tok`, just appended to `output`, ends the request."""

@@ -4,12 +4,14 @@ replica of the disaggregated one build theirs here (and an attention service hol
 whole model its RidgeFill service), so all read the flags the same way."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 from models.model import CausalLM
 from services.common.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.structured import Grammars, StructuredMetrics
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import model_fingerprint
 from services.prefill.metrics import PrefillMetrics
@@ -69,10 +71,16 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    reuse_filled=options.reuse_filled,
                                    redis_url=options.redis_url)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
+    grammars = None
+    if has_tokenizer(model_dir):      # structured outputs: xgrammar loads on first use
+        grammars = Grammars(functools.partial(load_tokenizer, model_dir),
+                            model.config.vocab_size, eos_token_ids(model_dir),
+                            StructuredMetrics(registry) if registry is not None else None)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
                                            kv_cache_bytes=options.kv_cache_bytes,
                                            compile_decode=options.compile_decode),
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
-                       prefix_cache=cache, replay_ratio=options.replay_ratio)
+                       prefix_cache=cache, replay_ratio=options.replay_ratio,
+                       grammars=grammars)
     return engine, service
 

@@ -32,6 +32,7 @@ from models.model import CausalLM
 from services.common.messages import (GenerationParams, PrefillRequest, PromptExport,
                                       RequestError, StepOutput, check_prompt_ids,
                                       check_request)
+from services.engine import structured
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
 from services.engine.prefix import PrefixReuse
@@ -70,12 +71,15 @@ class LLMEngine:
                  eos_token_ids: tuple[int, ...] = (), prefill_service=None,
                  prefix_cache: PrefixCache | None = None, replay_ratio: float = 0.1,
                  replay_overlap: bool | None = None, ffn_skip: bool = True,
-                 runner: RunnerFactory | None = None):
+                 runner: RunnerFactory | None = None, grammars=None):
         """`prefix_cache`: reuse cached prompt prefixes (Tail-Replay for hybrid models, with
         `replay_ratio` r unless a request sets its own, the KV write overlapping the replay
         (default: on CUDA only) and the tail-FFN skip); None: every prompt is prefilled in
         full. `runner`: builds the step executor for the engine's cache layout (default:
-        the monolithic `ModelRunner`)."""
+        the monolithic `ModelRunner`). `grammars`: compiles requests' structured outputs
+        (`structured.Grammars`, which needs the tokenizer); None: such requests are
+        refused."""
+        self.grammars = grammars
         self.model = model
         self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
@@ -180,7 +184,7 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: GenerationParams = GenerationParams(),
                     seq_id: int | None = None, prefilled: PromptExport | None = None,
-                    output_ids: list[int] = (), remote=None) -> int:
+                    output_ids: list[int] = (), remote=None, grammar=None) -> int:
         """`prefilled`: the prompt's KV, GDN states and logits, prefilled elsewhere (a
         prefill replica); stored on admission, and the first token sampled from the logits.
         `remote`: that prefill, still in flight (`done()`, `result()` -> `PromptExport`,
@@ -189,8 +193,18 @@ class LLMEngine:
         `output_ids`: tokens this request already generated elsewhere (a migrated request):
         they are prefilled with the prompt and count as output (`max_tokens`, penalties,
         `min_tokens`, stop checks), and a seeded sampler skips their draws, so the request
-        continues exactly as an uninterrupted run would."""
+        continues exactly as an uninterrupted run would. `grammar`: `params.structured`
+        compiled already (off this thread, by `self.grammars.compile`); else it is
+        compiled here."""
         fill = self.validate(prompt_ids, params, remote=remote is not None)
+        matcher = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise RequestError(params.structured.field, params.structured.kind,
+                                   "structured outputs need the engine's tokenizer, which "
+                                   "this deployment's engine does not have")
+            matcher = self.grammars.matcher(grammar if grammar is not None
+                                            else self.grammars.compile(params.structured))
         output_ids = list(output_ids)
         if output_ids:
             check_prompt_ids(output_ids, self.model.config.vocab_size, "output_ids")
@@ -209,6 +223,12 @@ class LLMEngine:
                        remote=remote)
         if remote is not None:
             seq.status = Status.WAITING_FOR_REMOTE_KVS
+        if matcher is not None:
+            for tok in output_ids:                 # a migrated request: its grammar's place
+                matcher.accept(tok)
+            seq.matcher = matcher
+            if self.grammars.metrics is not None:
+                self.grammars.metrics.admitted(params.structured.kind)
         seq.skip_draws(len(output_ids), self.model.config.vocab_size)
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
@@ -298,9 +318,11 @@ class LLMEngine:
 
     def _sampling_rows(self, out: SchedulerOutput) -> SamplingRows:
         seqs = [c.seq for c in out.chunks if c.sample]
+        allowed = structured.masks([s.matcher for s in seqs],
+                                   self.grammars.metrics if self.grammars else None)
         return SamplingRows([s.params.sampling for s in seqs], [s.generator for s in seqs],
-                            [s.params.history(s.prompt_ids, s.output_ids, self.eos_token_ids)
-                             for s in seqs])
+                            [s.params.history(s.prompt_ids, s.output_ids, self.eos_token_ids,
+                                              a) for s, a in zip(seqs, allowed)])
 
     def _merge(self, out: SchedulerOutput, sampled: Sampled | None) -> list[tuple]:
         """(token, log-prob, logits) of each sampling chunk in `out.chunks` order: the
@@ -361,6 +383,8 @@ class LLMEngine:
             seq = c.seq
             seq.output_ids.append(tok)
             seq.logprobs.append(lp)
+            if seq.matcher is not None and not seq.matcher.accept(tok):
+                log.warning("request %s: token %s is outside its grammar", seq.seq_id, tok)
             if seq.params.return_logits:
                 seq.logits.append(logits.clone())
             export = exports.get(seq.seq_id)
@@ -383,7 +407,8 @@ class LLMEngine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
-        if p.stops(seq.output_ids, tok, self.eos_token_ids):
+        if p.stops(seq.output_ids, tok, self.eos_token_ids) or (
+                seq.matcher is not None and seq.matcher.done):
             return "stop"
         if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -300,6 +301,15 @@ class _Add:
         self.done = threading.Event()
 
 
+def _compile_then_add(driver: _PipeDriver, add: _Add) -> None:
+    try:
+        add.extra["grammar"] = driver.engine.grammars.compile(add.params.structured)
+    except Exception as exc:  # noqa: BLE001 — a RequestError: the caller's 400
+        driver.send(("added", add.ticket, None, exc))
+        return
+    driver.commands.put(("add", add))
+
+
 def _child_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)        # the parent decides when to stop
     try:
@@ -309,12 +319,17 @@ def _child_main(conn) -> None:
         return
     send_lock = threading.Lock()
     driver = _PipeDriver(engine, conn, send_lock, FaultPlan.from_env())
+    compiles = ThreadPoolExecutor(2, thread_name_prefix="grammar")    # off the step loop
     driver.send(("ready", {"max_model_len": engine.max_model_len, "pid": os.getpid()}))
     try:
         while True:
             message = conn.recv()
             if message[0] == "add":
-                driver.commands.put(("add", _Add(*message[1:])))
+                add = _Add(*message[1:])
+                if add.params.structured is not None and engine.grammars is not None:
+                    compiles.submit(_compile_then_add, driver, add)
+                else:
+                    driver.commands.put(("add", add))
             elif message[0] == "abort":
                 driver.abort(message[1])
             elif message[0] == "metrics":

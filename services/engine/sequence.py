@@ -45,6 +45,7 @@ class Sequence:
     arrival_s: float = field(default_factory=time.monotonic)   # add_request
     scheduled_s: float | None = None       # its first scheduling (not reset by preemption)
     first_token_s: float | None = None     # its first token in this engine
+    matcher: object | None = None  # its grammar's state (`structured.Matcher`), if constrained
 
     def __post_init__(self):
         seed = self.params.sampling.seed

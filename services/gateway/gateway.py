@@ -76,7 +76,8 @@ class Gateway:
                                     prompt_logprobs=req.prompt_logprobs_k(),
                                     stop_token_ids=tuple(req.stop_token_ids or ()),
                                     prefill=prefill_request(req),
-                                    replay_ratio=req.replay_ratio)
+                                    replay_ratio=req.replay_ratio,
+                                    structured=req.structured_spec())
         except (SamplingError, RequestError) as exc:
             raise APIError(400, str(exc), getattr(exc, "field", None)) from exc
 

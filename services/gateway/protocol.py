@@ -1,11 +1,13 @@
 """OpenAI-compatible request bodies and the OpenAI-style error body."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from kernels.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY
+from services.common.messages import StructuredSpec
 
 MAX_CHOICES = 16          # most candidates one request may generate (`n`, `best_of`)
 MAX_PROMPTS = 128         # most prompts in one completions request (a batch)
@@ -86,7 +88,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "top_logprobs": (0,), "best_of": (1,),     # chat: best_of; completions: top_logprobs
     "echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
     "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
 
 # fields of the other endpoint
@@ -95,6 +96,43 @@ HINTS = {"top_logprobs": "a chat completions field; completions ask with `logpro
          "echo": "a completions field"}
 
 _Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+
+
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+MAX_GRAMMAR_CHARS = 1 << 16      # a schema, regex or grammar longer than this is refused
+
+
+def _bounded(spec: StructuredSpec) -> StructuredSpec:
+    if len(spec.value) > MAX_GRAMMAR_CHARS:
+        raise APIError(400, f"{spec.field} is {len(spec.value)} characters; at most "
+                            f"{MAX_GRAMMAR_CHARS} are accepted", spec.field)
+    return spec
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of these."""
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[Text] | None = None
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -132,6 +170,9 @@ class _Common(BaseModel):
     # Tail-Replay: share of a prefix-cache hit replayed into the linear-attention states
     # (None: the server's --replay-ratio; 0: zero-only)
     replay_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def check_supported(self) -> None:
         """Refuse OpenAI fields this server does not implement when they ask for something
@@ -143,6 +184,48 @@ class _Common(BaseModel):
             if value is not None and value not in default:
                 hint = HINTS.get(name, "not supported by this server")
                 raise APIError(400, f"{name} is {hint} (got {value!r})", name)
+
+    def structured_spec(self) -> StructuredSpec | None:
+        """The grammar the output must match, from `response_format` or
+        `structured_outputs` (not both); None: free text."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text":
+            if so is not None:
+                raise APIError(400, "set response_format or structured_outputs, not both",
+                               "structured_outputs")
+            if fmt.type == "json_object":
+                return StructuredSpec("json_object", "", "response_format")
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise APIError(400, "response_format of type json_schema needs "
+                                    "json_schema.schema", "response_format")
+            return _bounded(StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_),
+                                           "response_format"))
+        if so is None:
+            return None
+        given = [k for k in ("json_", "regex", "choice", "grammar")
+                 if getattr(so, k) is not None]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs takes exactly one of json, regex, choice "
+                                f"and grammar (got {len(given)})", "structured_outputs")
+        field = "structured_outputs." + given[0].rstrip("_")
+        if so.json_ is not None:
+            schema = so.json_
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise APIError(400, f"{field} is not JSON: {exc}", field) from None
+            if not isinstance(schema, dict):
+                raise APIError(400, f"{field} must be a JSON schema object", field)
+            return _bounded(StructuredSpec("json_schema", json.dumps(schema), field))
+        if so.choice is not None:
+            if not so.choice or any(c == "" for c in so.choice):
+                raise APIError(400, f"{field} must be a list of non-empty strings", field)
+            return _bounded(StructuredSpec("grammar", "root ::= " + " | ".join(
+                json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(so.choice)), field))
+        if so.regex is not None:
+            return _bounded(StructuredSpec("regex", so.regex, field))
+        return _bounded(StructuredSpec("grammar", so.grammar, field))
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         pairs = []

@@ -85,6 +85,11 @@ class Fanout:
 
         for i, item in enumerate(firsts):
             yield i, item
+        if len(self.streams) == 1:          # nothing to merge: no pump task, no queue
+            if firsts[0].reason is None:
+                async for item in self.streams[0]:
+                    yield 0, item
+            return
         live = [i for i, item in enumerate(firsts) if item.reason is None]
         tasks = [asyncio.ensure_future(pump(i)) for i in live]
         try:
