@@ -68,6 +68,9 @@ class EngineBackend(StepDriver, EngineClient):
     async def refresh(self) -> None:
         """Nothing to poll: the engine is in this process."""
 
+    def close(self) -> None:
+        self.shutdown()
+
     # ---- engine thread ------------------------------------------------------------
     def _send(self, sub: _Submit, out: StepOutput) -> StepOutput:
         try:

@@ -39,7 +39,7 @@ def running(app):
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
-        app.state.gateway.backend.shutdown()
+        app.state.gateway.backend.close()
 
 
 def client(base: str) -> openai.OpenAI:

@@ -1,0 +1,83 @@
+"""Structured outputs over real HTTP with the official `openai` client, with the engine on a
+thread and in its own process: `beta.chat.completions.parse` with a pydantic model, a
+streamed json_schema answer equal to the whole one, vLLM's structured_outputs, and 400s
+naming the field for what cannot be compiled."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from services.deployment.server import build_embedded
+from tests.helpers.gateway import MODEL, ZOO, client, running
+
+pytestmark = pytest.mark.slow
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    capital: bool
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def base(request):
+    app = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1,
+                         engine_process=request.param == "process")
+    with running(app) as url:
+        yield url
+
+
+ASK = [{"role": "user", "content": "Describe Paris as JSON."}]
+
+
+def test_parse_returns_the_pydantic_object(base):
+    r = client(base).beta.chat.completions.parse(model=MODEL, messages=ASK, response_format=City,
+                                                 max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, City)
+    assert City.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_a_streamed_answer_equals_the_whole_one(base):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city",
+                                                  "schema": City.model_json_schema()}}
+    c = client(base)
+    whole = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
+                                      response_format=fmt).choices[0].message.content
+    chunks = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60,
+                                       temperature=0, response_format=fmt, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(whole), City.model_json_schema())
+
+
+def test_structured_outputs_choice_and_regex(base):
+    c = client(base)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Sky blue?"}],
+                                  max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = c.completions.create(model=MODEL, prompt="My phone number is", max_tokens=12,
+                             temperature=0, extra_body={"structured_outputs":
+                                                        {"regex": r" [0-9]{3}-[0-9]{4}"}})
+    text = r.choices[0].text
+    assert len(text) == 9 and text[4] == "-" and text.replace("-", "").strip().isdigit()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+])
+def test_what_cannot_compile_is_a_400_naming_the_field(base, extra, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client(base).chat.completions.create(model=MODEL, messages=ASK, max_tokens=5,
+                                             extra_body=extra)
+    assert err.value.body["param"] == param
+    assert "cannot be compiled" in err.value.body["message"]
