@@ -62,6 +62,8 @@ def history_fields(p: SamplingParams, history: History | None) -> dict:
     """What `p`'s processing reads of `history`, as the pool's message fields."""
     if history is None:
         return {}
+    if history.allowed is not None:      # a grammar's mask would be dropped: say so
+        raise ValueError("a grammar's token mask cannot travel to the MLP pool")
     fields = {"banned_ids": list(history.banned)}
     if p.penalized:
         fields["output_ids"] = list(history.output)

@@ -56,12 +56,14 @@ def build_prefill_service(model: CausalLM, model_dir: str | Path, options: Engin
 
 
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
-                 registry) -> tuple[LLMEngine, PrefillService | None]:
+                 registry, structured: bool = True) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
     metrics go into `registry`; `model` is already quantized as `options.quantization` says
     (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
     model's fingerprint and dtype, so replicas of one checkpoint share Redis entries and
-    other checkpoints never see them."""
+    other checkpoints never see them. `structured`: the engine takes structured-output
+    requests (its grammars compile with the model's tokenizer, loaded on first use); a
+    prefill replica, which never samples past the first token, builds none."""
     service = build_prefill_service(model, model_dir, options, registry)
     cache = None
     if options.prefix_cache_bytes is not None:
@@ -72,7 +74,7 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    redis_url=options.redis_url)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
     grammars = None
-    if has_tokenizer(model_dir):      # structured outputs: xgrammar loads on first use
+    if structured and has_tokenizer(model_dir):     # xgrammar loads on first use
         grammars = Grammars(functools.partial(load_tokenizer, model_dir),
                             model.config.vocab_size, eos_token_ids(model_dir),
                             StructuredMetrics(registry) if registry is not None else None)

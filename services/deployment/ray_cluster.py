@@ -215,7 +215,7 @@ class PrefillReplica:
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
                            device="cuda" if c.use_gpu else "cpu").quantize(c.quantization)
         registry = CollectorRegistry()
-        self.engine, _ = build_engine(model, c.model, c.prefill, registry)
+        self.engine, _ = build_engine(model, c.model, c.prefill, registry, structured=False)
         self.nccl = None
         if c.transport == "nccl":      # KV and states go to the attention services over NCCL
             from services.common.nccl_transport import NcclEndpoint

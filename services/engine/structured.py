@@ -31,6 +31,8 @@ from services.common.messages import RequestError, StructuredSpec
 log = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")
+COMPILE_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+MASK_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
 
 
 class Grammars:
@@ -135,11 +137,10 @@ class StructuredMetrics:
         self.compile_time = Histogram(
             "splitstack_grammar_compile_seconds", "Time to compile a request's grammar; "
             "cached: the spec was compiled before (xgrammar's cache)", ["cached"],
-            buckets=(1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0), **kw)
+            buckets=COMPILE_BUCKETS, **kw)
         self.mask_time = Histogram(
             "splitstack_grammar_mask_seconds", "Time per step to fill the constrained rows' "
-            "token bitmasks", buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01,
-                                       0.025, 0.1), **kw)
+            "token bitmasks", buckets=MASK_BUCKETS, **kw)
 
     def compiled(self, kind: str, seconds: float, cached: bool) -> None:
         self.compile_time.labels(cached="true" if cached else "false").observe(seconds)

@@ -12,6 +12,7 @@ from services.deployment.members import cluster_client
 from services.gateway.metrics import GatewayMetrics
 from services.mlp_pool.metrics import CALL_BUCKETS, ROW_BUCKETS, STAGE_BUCKETS
 from services.prefill.metrics import PREFILL_BUCKETS
+from services.engine.structured import COMPILE_BUCKETS, MASK_BUCKETS
 from services.prefix_cache.metrics import REPLAY_BUCKETS
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
@@ -44,6 +45,8 @@ def in_code() -> dict[str, list[float]]:
     for name in ("splitstack_prefix_cache_replay_seconds",
                  "splitstack_prefix_cache_transfer_seconds"):
         out[name] = sorted(map(float, REPLAY_BUCKETS))
+    out["splitstack_grammar_compile_seconds"] = sorted(map(float, COMPILE_BUCKETS))
+    out["splitstack_grammar_mask_seconds"] = sorted(map(float, MASK_BUCKETS))
     return out
 
 
