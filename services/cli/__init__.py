@@ -96,7 +96,7 @@ def _serve_cluster(serve: ServeArgs) -> int:
                                  limits=limits, rate_limits=serve.rate_limits(),
                                  max_replicas=serve.max_replicas,
                                  drain_timeout_s=serve.drain_timeout,
-                                 autoscaler=serve.autoscaler())
+                                 autoscaler=serve.autoscaler(), **serve.gateway_options())
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"(Ray: {config.attention_shards} attention service(s) x {config.kv_splits} KV "
           f"shard(s), {config.mlp_replicas} MLP replica(s), {config.prefill_replicas} prefill "
@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          dtype=serve.torch_dtype, options=serve.engine_options(),
                          api_key=serve.api_key, limits=serve.http_limits(),
                          rate_limits=serve.rate_limits(), threads=serve.torch_threads,
-                         engine_process=serve.engine_process)
+                         engine_process=serve.engine_process, **serve.gateway_options())
     where = "engine process" if serve.engine_process else "embedded engine"
     print(f"splitstack serving {serve.model} on http://{serve.host}:{serve.port}/v1 "
           f"({where}, {serve.prefill_mode} prefill"

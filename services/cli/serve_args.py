@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -93,6 +94,12 @@ class ServeArgs:
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
                                low=1e-3)
     threads: int | None = flag(None, "torch threads (embedded: 2; per Ray actor: 1)", low=1)
+    chat_template: str | None = flag(None, "a jinja chat template file, instead of the "
+                                           "model's (default: the model's, or for tools the "
+                                           "shipped Hermes template when it has none)")
+    tool_call_parser: str | None = flag(None, "the format tool calls are written and parsed in "
+                                              "(default: the one the chat template implies)",
+                                        choices=("hermes", "llama3_json"))
     engine_process: bool = flag(False, "embedded: run the engine in its own process, so the "
                                        "HTTP front end never holds a step back")
     log_level: str = flag("info", "uvicorn's log level")
@@ -223,6 +230,9 @@ class ServeArgs:
                                     low=1.0, group="scaling")
 
     def __post_init__(self):
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise FlagError("--chat-template", self.chat_template, "--chat-template: no such "
+                            f"file: {self.chat_template}")
         for f in fields(self):
             _check(f, getattr(self, f.name))
         if not self.prefix_cache and (self.redis_url or self.reuse_filled):
@@ -339,6 +349,11 @@ class ServeArgs:
                              prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
                              compile_decode=self.compile, quantization=self.quantization)
+
+    def gateway_options(self) -> dict:
+        """What the gateway reads of the flags: the chat template and the tool-call format."""
+        return {"chat_template": Path(self.chat_template).read_text()
+                if self.chat_template else None, "tool_call_parser": self.tool_call_parser}
 
     def http_limits(self) -> HttpLimits:
         from services.gateway.limits import HttpLimits

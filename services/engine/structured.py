@@ -18,6 +18,7 @@ may emit newlines until `max_tokens`.
 """
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,7 +31,7 @@ from services.common.messages import RequestError, StructuredSpec
 
 log = logging.getLogger(__name__)
 
-KINDS = ("json_schema", "json_object", "regex", "grammar")
+KINDS = ("json_schema", "json_object", "regex", "grammar", "tagged_json")
 COMPILE_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 MASK_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
 
@@ -76,6 +77,8 @@ class Grammars:
                 grammar = self.compiler.compile_builtin_json_grammar()
             elif spec.kind == "regex":
                 grammar = self.compiler.compile_regex(spec.value)
+            elif spec.kind == "tagged_json":
+                grammar = self.compiler.compile_grammar(tagged_json(self._xgr, spec.value))
             else:
                 grammar = self.compiler.compile_grammar(spec.value)
         except Exception as exc:  # noqa: BLE001 — xgrammar raises RuntimeError / ValueError
@@ -125,6 +128,25 @@ def masks(matchers: list[Matcher | None], metrics=None) -> list[torch.Tensor | N
     if metrics is not None:
         metrics.masked(time.perf_counter() - start)
     return out
+
+
+def tagged_json(xgr, value: str):
+    """The grammar of 1..`max_items` JSON objects, each matching one of `schemas` and
+    written between `prefix` and `suffix`, joined by `separator` (tool calls: the gateway's
+    `tools.ToolFormat.grammar` says how its format writes them)."""
+    d = json.loads(value)
+    literal = lambda text: xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))  # noqa: E731
+    body = xgr.Grammar.from_json_schema(json.dumps({"anyOf": d["schemas"]}),
+                                        any_whitespace=False)
+    item = xgr.Grammar.concat(*[g for g in (d["prefix"] and literal(d["prefix"]), body,
+                                            d["suffix"] and literal(d["suffix"])) if g])
+    options = []
+    for n in range(1, d["max_items"] + 1):
+        parts = [item]
+        for _ in range(n - 1):
+            parts += [literal(d["separator"]), item]
+        options.append(xgr.Grammar.concat(*parts) if len(parts) > 1 else item)
+    return xgr.Grammar.union(*options) if len(options) > 1 else options[0]
 
 
 class StructuredMetrics:

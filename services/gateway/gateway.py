@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import NamedTuple
 
 from kernels.sampling import SamplingError, SamplingParams
@@ -20,6 +21,9 @@ from services.gateway.logprobs import TokenLogprob, TokenText
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
 from services.gateway.stops import StopStrings
+from services.gateway.tools import FORMATS, default_format
+
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "templates" / "hermes_tools.jinja"
 
 
 class Gateway:
@@ -27,10 +31,20 @@ class Gateway:
     services over gRPC)."""
 
     def __init__(self, backend: EngineClient, tokenizer, model_name: str, max_model_len: int,
-                 default_temperature: float = 1.0, metrics: GatewayMetrics | None = None):
+                 default_temperature: float = 1.0, metrics: GatewayMetrics | None = None,
+                 chat_template: str | None = None, tool_call_parser: str | None = None):
         """A request's prefill fields travel as given (`PrefillRequest`): the engine that
-        owns its prefill checks them."""
+        owns its prefill checks them. `chat_template`: replaces the tokenizer's (jinja
+        text, `--chat-template`); `tool_call_parser`: the format of tool calls
+        (`tools.FORMATS`; default: the one the template implies)."""
         self.backend = backend
+        self.chat_template = chat_template
+        own = chat_template or getattr(tokenizer, "chat_template", None)
+        self.tool_format = FORMATS[tool_call_parser or default_format(own)]
+        # a template that cannot render tools (SmolLM2's) gives way to the shipped one when
+        # a request offers tools or its history holds calls
+        self.tools_template = (chat_template if chat_template or (own and "tool" in own)
+                               else TOOLS_TEMPLATE.read_text())
         self.default_temperature = default_temperature   # from generation_config.json
         self.tokenizer = tokenizer
         self.words = TokenText(tokenizer)
@@ -101,9 +115,20 @@ class Gateway:
                 self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in req.prompts()]
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        messages = [m.rendered() for m in req.messages]
+        kwargs = req.template_kwargs()
+        template = self.chat_template
+        if req.tools or any(m.tool_calls or m.role == "tool" for m in req.messages):
+            template = self.tools_template
+            if req.tools:
+                kwargs["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False, chat_template=template,
+                                                      **kwargs)
+        except Exception as exc:  # noqa: BLE001 — jinja's errors: the messages don't fit it
+            raise APIError(400, f"the chat template cannot render these messages: {exc}",
+                           "messages") from None
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     # ---- generation -----------------------------------------------------------------

@@ -324,15 +324,80 @@ class ContentPart(BaseModel):
         return self
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str              # JSON text, as the model wrote it
+
+
+class ToolCallIn(BaseModel):
+    """An assistant message's earlier call, sent back in the history."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None      # assistant: the calls it made
+    tool_call_id: str | None = None                 # tool: the call this answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs `tool_call_id`, the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def rendered(self) -> dict:
+        """The message as chat templates read it (tool calls and ids kept)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None      # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionName
+
+
+# chat_template_kwargs may not set what the server passes itself
+RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "tokenize",
+                            "chat_template", "continue_final_message"}
 
 
 class TokenizeRequest(BaseModel):
@@ -362,6 +427,37 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None      # vLLM's: e.g. {"enable_thinking": false}
+
+    def tool_mode(self) -> str | None:
+        """None (no tools offered, or `none`), "auto", "required", or the one function's
+        name the answer must call; refuses a choice that names no offered function."""
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools: function names must be unique", "tools")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise APIError(400, f"tool_choice names {choice.function.name!r}, which is "
+                                    f"not among the tools ({', '.join(names) or 'none'})",
+                               "tool_choice")
+            return choice.function.name
+        if choice == "required" and not names:
+            raise APIError(400, "tool_choice 'required' needs tools", "tool_choice")
+        if not names or choice == "none":
+            return None
+        return choice or "auto"
+
+    def template_kwargs(self) -> dict:
+        kwargs = self.chat_template_kwargs or {}
+        bad = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+        if bad:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)}",
+                           "chat_template_kwargs")
+        return kwargs
 
     def max_new_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
