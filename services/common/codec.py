@@ -129,8 +129,23 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
                                              else None))
 
 
+INT64 = 2**63
+
+
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
+    """Raises `RequestError` for what the message cannot carry: a token id or seed past
+    int64, and structured outputs (the pool samples decode steps; grammar masks do not
+    travel there)."""
     s = params.sampling
+    if params.structured is not None:
+        raise RequestError(params.structured.field, params.structured.kind,
+                           "structured outputs and forced tool calls are served by the "
+                           "embedded deployment only")
+    bad = next((t for t in prompt_ids if not -INT64 <= t < INT64), None)
+    if bad is not None:
+        raise RequestError("prompt", bad, "is not a token id of this model")
+    if s.seed is not None and not -INT64 <= s.seed < INT64:
+        raise RequestError("seed", s.seed, "must be in [-2**63, 2**63) on the Ray deployment")
     return pb.GenerateRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens,
                               temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               has_seed=s.seed is not None, seed=s.seed or 0,
