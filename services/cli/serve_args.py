@@ -100,6 +100,9 @@ class ServeArgs:
     tool_call_parser: str | None = flag(None, "the format tool calls are written and parsed in "
                                               "(default: the one the chat template implies)",
                                         choices=("hermes", "llama3_json"))
+    reasoning_parser: str | None = flag(None, "split a thinking model's <think> block into "
+                                              "reasoning_content", choices=("qwen3",
+                                                                            "deepseek_r1"))
     engine_process: bool = flag(False, "embedded: run the engine in its own process, so the "
                                        "HTTP front end never holds a step back")
     log_level: str = flag("info", "uvicorn's log level")
@@ -353,7 +356,8 @@ class ServeArgs:
     def gateway_options(self) -> dict:
         """What the gateway reads of the flags: the chat template and the tool-call format."""
         return {"chat_template": Path(self.chat_template).read_text()
-                if self.chat_template else None, "tool_call_parser": self.tool_call_parser}
+                if self.chat_template else None, "tool_call_parser": self.tool_call_parser,
+                "reasoning_parser": self.reasoning_parser}
 
     def http_limits(self) -> HttpLimits:
         from services.gateway.limits import HttpLimits

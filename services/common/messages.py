@@ -66,10 +66,12 @@ def check_request(prompt_ids: list[int], params: GenerationParams, vocab_size: i
 class StructuredSpec:
     """What a request's output must match (structured outputs): `kind` is json_schema
     (`value`: the schema as JSON text), json_object (any JSON object), regex or grammar
-    (EBNF); `field`: the request field it came from, named when it cannot be compiled."""
+    (EBNF); `field`: the request field it came from, named when it cannot be compiled;
+    `after`: a reasoning model's end-of-thinking text, before which the output is free."""
     kind: str
     value: str = ""
     field: str = "response_format"
+    after: str | None = None      # the grammar starts after this text (reasoning's end)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,8 @@ class LLMEngine:
                                    "structured outputs need the engine's tokenizer, which "
                                    "this deployment's engine does not have")
             matcher = self.grammars.matcher(grammar if grammar is not None
-                                            else self.grammars.compile(params.structured))
+                                            else self.grammars.compile(params.structured),
+                                            params.structured.after)
         output_ids = list(output_ids)
         if output_ids:
             check_prompt_ids(output_ids, self.model.config.vocab_size, "output_ids")

@@ -22,7 +22,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -48,7 +48,7 @@ class Grammars:
         self.stop_token_ids, self.threads = list(stop_token_ids), threads
         self.metrics = metrics
         self.compiler = None
-        self._seen: set[StructuredSpec] = set()
+        self._seen: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
     def _load(self) -> None:
@@ -57,7 +57,8 @@ class Grammars:
                 return
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self.load_tokenizer(),
+            self.tokenizer = self.load_tokenizer()
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer,
                                                       vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             self._xgr = xgr
@@ -85,36 +86,52 @@ class Grammars:
             raise RequestError(spec.field, _short(spec.value),
                                f"cannot be compiled to a grammar: {_reason(exc)}") from None
         with self._lock:
-            cached = spec in self._seen
-            self._seen.add(spec)
+            cached = (spec.kind, spec.value) in self._seen
+            self._seen.add((spec.kind, spec.value))
         if self.metrics is not None:
             self.metrics.compiled(spec.kind, time.perf_counter() - start, cached)
         return grammar
 
-    def matcher(self, compiled) -> Matcher:
+    def matcher(self, compiled, after: str | None = None) -> Matcher:
         self._load()
-        return Matcher(self._xgr.GrammarMatcher(compiled), self)
+        return Matcher(self._xgr.GrammarMatcher(compiled), self, after)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 @dataclass
 class Matcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar. With `after` (a reasoning model's end of
+    thinking, `</think>`), the grammar starts with the first token after the text `after`
+    was generated: until then the row is free."""
     state: object                     # xgrammar.GrammarMatcher
     grammars: Grammars
+    after: str | None = None
+    tail: list[int] = field(default_factory=list)    # the last tokens while waiting
+
+    @property
+    def active(self) -> bool:
+        return self.after is None
 
     def accept(self, token: int) -> bool:
         """Advance past a sampled token; False when the grammar did not allow it."""
-        return self.state.accept_token(token)
+        if self.after is None:
+            return self.state.accept_token(token)
+        self.tail = self.tail[-15:] + [token]
+        if self.after in self.grammars.decode(self.tail):
+            self.after = None                  # the grammar applies from the next token
+        return True
 
     @property
     def done(self) -> bool:
-        return self.state.is_terminated()
+        return self.after is None and self.state.is_terminated()
 
 
 def masks(matchers: list[Matcher | None], metrics=None) -> list[torch.Tensor | None]:
     """Each row's allowed tokens as a packed int32 bitmask [ceil(V/32)], None for an
     unconstrained row."""
-    rows = [i for i, m in enumerate(matchers) if m is not None]
+    rows = [i for i, m in enumerate(matchers) if m is not None and m.active]
     if not rows:
         return [None] * len(matchers)
     start = time.perf_counter()

@@ -16,6 +16,8 @@ from services.gateway.logprobs import chat_logprobs
 from services.gateway.protocol import APIError, ChatCompletionRequest
 from services.gateway.ratelimit import charge_tokens
 from services.gateway.serving import Fanout, head, sse_response, usage
+from services.gateway.reasoning import END as END_OF_THINKING
+from services.gateway.reasoning import ReasoningStream
 from services.gateway.tools import ToolStream
 
 
@@ -35,6 +37,11 @@ async def create_chat_completion(gateway: Gateway, req: ChatCompletionRequest,
         functions = [t.function.model_dump() for t in req.tools
                      if mode == "required" or t.function.name == mode]
         params = replace(params, structured=fmt.grammar(functions, req.parallel_tool_calls))
+    thinking = gateway.reasoning
+    if thinking is not None and params.structured is not None and \
+            req.template_kwargs().get("enable_thinking", True):
+        # the grammar starts once the model has finished thinking
+        params = replace(params, structured=replace(params.structured, after=END_OF_THINKING))
     await charge_tokens(request, req.candidates() * (len(ids) + params.max_tokens))
     top = head(gateway, "chatcmpl-", "chat.completion.chunk" if req.stream else
                "chat.completion")
@@ -47,9 +54,15 @@ async def create_chat_completion(gateway: Gateway, req: ChatCompletionRequest,
     if req.stream:
         firsts = await fan.start()
         parsers = [ToolStream(fmt, names) if mode else None for _ in fan.streams]
+        thinkers = [ReasoningStream(thinking) if thinking else None for _ in fan.streams]
 
         def choice(i: int, delta: Delta) -> dict:
-            text, calls, reason = delta.text, [], delta.reason
+            text, calls, reason, thought = delta.text, [], delta.reason, ""
+            if thinkers[i] is not None:
+                thought, text = thinkers[i].feed(text)
+                if reason:
+                    more_thought, more = thinkers[i].finish()
+                    thought, text = thought + more_thought, text + more
             if parsers[i] is not None:
                 text, calls = parsers[i].feed(text)
                 if reason:
@@ -57,6 +70,8 @@ async def create_chat_completion(gateway: Gateway, req: ChatCompletionRequest,
                     text, calls = text + more, calls + last
                     reason = "tool_calls" if parsers[i].calls else reason
             body = {"content": text} if text else {}
+            if thought:
+                body["reasoning_content"] = thought
             if calls:
                 body["tool_calls"] = calls
             return {"index": i, "delta": body, "finish_reason": reason,
@@ -71,14 +86,17 @@ async def create_chat_completion(gateway: Gateway, req: ChatCompletionRequest,
         return Response(status_code=499)
     choices = []
     for i, r in enumerate(results):
-        message = {"role": "assistant", "content": r.text}
+        thought, text = thinking.split(r.text) if thinking else (None, r.text)
+        message = {"role": "assistant", "content": text}
         reason = r.reason
         if mode:
-            content, calls = fmt.parse(r.text, names)
+            content, calls = fmt.parse(text, names)
             if calls:
                 message = {"role": "assistant", "content": content or None,
                            "tool_calls": [c.wire() for c in calls]}
                 reason = "tool_calls"
+        if thought is not None:
+            message["reasoning_content"] = thought
         choices.append({"index": i, "message": message, "finish_reason": reason,
                         "logprobs": logprobs(r)})
     return {**top, "choices": choices, "usage": usage(fan.prompt_tokens,

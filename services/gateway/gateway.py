@@ -20,6 +20,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.logprobs import TokenLogprob, TokenText
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
+from services.gateway.reasoning import PARSERS as REASONING
 from services.gateway.stops import StopStrings
 from services.gateway.tools import FORMATS, default_format
 
@@ -32,11 +33,14 @@ class Gateway:
 
     def __init__(self, backend: EngineClient, tokenizer, model_name: str, max_model_len: int,
                  default_temperature: float = 1.0, metrics: GatewayMetrics | None = None,
-                 chat_template: str | None = None, tool_call_parser: str | None = None):
+                 chat_template: str | None = None, tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None):
         """A request's prefill fields travel as given (`PrefillRequest`): the engine that
         owns its prefill checks them. `chat_template`: replaces the tokenizer's (jinja
         text, `--chat-template`); `tool_call_parser`: the format of tool calls
-        (`tools.FORMATS`; default: the one the template implies)."""
+        (`tools.FORMATS`; default: the one the template implies); `reasoning_parser`:
+        splits a thinking model's reasoning from its answer (`reasoning.PARSERS`)."""
+        self.reasoning = REASONING[reasoning_parser] if reasoning_parser else None
         self.backend = backend
         self.chat_template = chat_template
         own = chat_template or getattr(tokenizer, "chat_template", None)
