@@ -103,6 +103,10 @@ class ServeArgs:
     reasoning_parser: str | None = flag(None, "split a thinking model's <think> block into "
                                               "reasoning_content", choices=("qwen3",
                                                                             "deepseek_r1"))
+    responses_redis_url: str | None = flag(None, "keep /v1/responses' stored responses in this "
+                                                 "Redis (default: in the gateway's memory)")
+    responses_ttl: int = flag(3600, "seconds a stored response stays retrievable and "
+                                    "continuable (previous_response_id)", low=1)
     engine_process: bool = flag(False, "embedded: run the engine in its own process, so the "
                                        "HTTP front end never holds a step back")
     log_level: str = flag("info", "uvicorn's log level")
@@ -354,10 +358,14 @@ class ServeArgs:
                              compile_decode=self.compile, quantization=self.quantization)
 
     def gateway_options(self) -> dict:
-        """What the gateway reads of the flags: the chat template and the tool-call format."""
+        """What the gateway reads of the flags: the chat template, the tool-call and
+        reasoning formats, and where /v1/responses keeps responses."""
+        from services.gateway.responses import ResponseStore
+
         return {"chat_template": Path(self.chat_template).read_text()
                 if self.chat_template else None, "tool_call_parser": self.tool_call_parser,
-                "reasoning_parser": self.reasoning_parser}
+                "reasoning_parser": self.reasoning_parser,
+                "responses": ResponseStore(self.responses_redis_url, self.responses_ttl)}
 
     def http_limits(self) -> HttpLimits:
         from services.gateway.limits import HttpLimits

@@ -25,7 +25,7 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    rate_limits: RateLimits | None = None, threads: int | None = None,
                    engine_process: bool = False, chat_template: str | None = None,
                    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                   **engine_options):
+                   responses=None, **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
@@ -33,7 +33,7 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     the model's fingerprint and dtype, and requests may set their own `replay_ratio`.
     `limits`, `rate_limits`: the gateway's (`build_app`); the engine's `max_num_seqs` are
     its running slots; `chat_template`, `tool_call_parser`, `reasoning_parser`: the
-    gateway's (`Gateway`).
+    gateway's (`Gateway`); `responses`: the `/v1/responses` store (`build_app`).
     `engine_process`: the engine steps in a child process
     (`EngineProcess`) instead of on a thread of this one (`EngineBackend`); `threads`: its
     torch threads (None: as this process has them)."""
@@ -53,7 +53,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                       default_temperature(model_dir), metrics=GatewayMetrics(registry),
                       chat_template=chat_template, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser)
-    return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs)
+    return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs,
+                     responses=responses)
 
 
 def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
@@ -77,7 +78,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                   limits: HttpLimits | None = None, rate_limits: RateLimits | None = None,
                   max_replicas: int = 8, drain_timeout_s: float = 30.0, autoscaler=None,
                   chat_template: str | None = None, tool_call_parser: str | None = None,
-                  reasoning_parser: str | None = None):
+                  reasoning_parser: str | None = None, responses=None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
@@ -110,7 +111,8 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                       chat_template=chat_template, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser)
     slots = config.max_num_seqs * config.attention_shards
-    app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots)
+    app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots,
+                    responses=responses)
     placement = RayPlacement(cluster)
     app.state.pools = PoolManager(placement, routing, placement.members(), max_replicas,
                                   drain_timeout_s, fixed, registry=metrics.registry,

@@ -15,6 +15,8 @@ from starlette.exceptions import HTTPException
 
 from services.gateway.admin import install as install_admin
 from services.gateway.chat import create_chat_completion
+from services.gateway.responses import (ResponsesRequest, ResponseStore, create_response,
+                                        retrieve_response)
 from services.gateway.completions import create_completion
 from services.gateway.gateway import Gateway
 from services.gateway.http_metrics import install as install_http_metrics
@@ -51,11 +53,13 @@ class RequireAPIKey:
 
 
 def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits | None = None,
-              rate_limits: RateLimits | None = None, running_slots: int = 16) -> FastAPI:
+              rate_limits: RateLimits | None = None, running_slots: int = 16,
+              responses: ResponseStore | None = None) -> FastAPI:
     """`api_key`: clients of the `/v1/` routes must send it as a bearer token. `limits`:
     body size and read time, the waiting-queue bound past `running_slots` (requests the
     engines run at once) and the request caps (`services.gateway.limits`); `rate_limits`:
-    per-client limits shared through Redis (`services.gateway.ratelimit`)."""
+    per-client limits shared through Redis (`services.gateway.ratelimit`); `responses`:
+    where `/v1/responses` keeps responses (default: in this process, for an hour)."""
     app = FastAPI(title="splitstack")
     app.state.gateway = gateway
     install_limits(app, limits or HttpLimits(), running_slots)
@@ -147,6 +151,17 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         return await create_chat_completion(gateway, req, request)
+
+    store = responses or ResponseStore()
+    app.state.responses = store
+
+    @app.post("/v1/responses")
+    async def create(req: ResponsesRequest, request: Request):
+        return await create_response(gateway, store, req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str):
+        return await retrieve_response(store, response_id)
 
     document(app)
     return app

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 
 from services.gateway.protocol import APIError, ChatCompletionRequest
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 MAX_SEQUENCES = 128        # engine requests one HTTP request may start: candidates × prompts
 MAX_STOPS = 32             # entries of `stop` and of `stop_token_ids`
 MAX_STOP_CHARS = 1024      # one stop string (each costs its length per stream)

@@ -35,6 +35,8 @@ _SERVER = (408, 429)
 ROUTES: dict[tuple[str, str], tuple[int, ...]] = {
     ("/v1/completions", "post"): (400, 401, 404, 413, 500, 503),
     ("/v1/chat/completions", "post"): (400, 401, 404, 413, 500, 503),
+    ("/v1/responses", "post"): (400, 401, 404, 413, 500, 503),
+    ("/v1/responses/{response_id}", "get"): (401, 404),
     ("/v1/models", "get"): (401,),
     ("/v1/models/{model}", "get"): (401, 404),
     ("/tokenize", "post"): (400, 404, 413),
@@ -102,11 +104,12 @@ def declare(schema: dict) -> None:
                     **({"headers": _RETRY_AFTER} if status in (429, 503) else {}),
                 }
     paths = schema.get("paths", {})
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         if path in paths:
             ok = paths[path]["post"]["responses"]["200"]
             ok["description"] = ("The completion; with `stream: true` an SSE stream of "
-                                 "chunks (`data: {...}`), ending with `data: [DONE]`")
+                                 "chunks (`data: {...}`), ending with `data: [DONE]` (the "
+                                 "Responses API's: typed events, `event: ...`)")
             ok["content"]["text/event-stream"] = _SSE
     if "/metrics" in paths:
         paths["/metrics"]["get"]["responses"]["200"] = {
