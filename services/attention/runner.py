@@ -185,15 +185,17 @@ def qfirst_engine(model: CausalLM, pool: Transport, *, num_shards: int = 1,
                   block_size: int = 16, wiring: str | None = None,
                   config: EngineConfig | None = None, eos_token_ids: tuple[int, ...] = (),
                   shard_names: list[str] | None = None, shards: list[KVShard] | None = None,
-                  prefill_service=None, **config_fields) -> LLMEngine:
+                  prefill_service=None, grammars=None, **config_fields) -> LLMEngine:
     """The engine of an attention service: the one `LLMEngine` and its scheduler, with a
     `QFirstRunner` over `num_shards` KV shards of `block_size`-token blocks each.
     `prefill_service`: RidgeFill in this process (it needs the whole model: the `local`
     transport's); its prompts are installed into the shards like a prefill replica's.
+    `grammars`: structured outputs (`structured.Grammars`); their masks travel to the pool
+    with each sampling row.
     `config_fields`: more `EngineConfig` fields (num_blocks, kv_cache_bytes, max_num_seqs,
     ...); its block size is `block_size · num_shards`."""
     config = config or EngineConfig(block_size=block_size * num_shards, **config_fields)
     return LLMEngine(model, config, eos_token_ids=eos_token_ids,
-                     prefill_service=prefill_service,
+                     prefill_service=prefill_service, grammars=grammars,
                      runner=lambda layout: QFirstRunner(model, pool, layout, num_shards,
                                                         wiring, shard_names, shards))

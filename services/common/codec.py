@@ -16,7 +16,8 @@ import torch
 
 from kernels.sampling import History, SamplingParams, TokenLogprob
 from models.gdn import GDNInputs
-from services.common.messages import GenerationParams, PrefillRequest, RequestError, StageOutput
+from services.common.messages import (GenerationParams, PrefillRequest, RequestError, StageOutput,
+                                      StructuredSpec)
 from services.common.pb import splitstack_pb2 as pb
 
 
@@ -62,9 +63,9 @@ def history_fields(p: SamplingParams, history: History | None) -> dict:
     """What `p`'s processing reads of `history`, as the pool's message fields."""
     if history is None:
         return {}
-    if history.allowed is not None:      # a grammar's mask would be dropped: say so
-        raise ValueError("a grammar's token mask cannot travel to the MLP pool")
     fields = {"banned_ids": list(history.banned)}
+    if history.allowed is not None:      # a grammar's mask: its int32 words' bytes
+        fields["allowed_mask"] = history.allowed.to(torch.int32).numpy().tobytes()
     if p.penalized:
         fields["output_ids"] = list(history.output)
         if p.repetition_penalty != 1.0:
@@ -75,7 +76,9 @@ def history_fields(p: SamplingParams, history: History | None) -> dict:
 def history_from(msg) -> History:
     """What a pool row's processing reads; the distinct tokens stand for the prompt, which
     is all the repetition penalty needs of it."""
-    return History(list(msg.seen_ids), list(msg.output_ids), list(msg.banned_ids))
+    allowed = (torch.frombuffer(bytearray(msg.allowed_mask), dtype=torch.int32)
+               if msg.allowed_mask else None)
+    return History(list(msg.seen_ids), list(msg.output_ids), list(msg.banned_ids), allowed)
 
 
 # ---- pool replies (MLP pool -> cache side) ------------------------------------------------
@@ -119,7 +122,13 @@ def params_from_proto(req: pb.GenerateRequest) -> GenerationParams:
                               seed=req.seed if req.has_seed else None,
                               **processing_from(req))
     prefill, replay_ratio = options_from_proto(req.prefill)
+    structured = None
+    if req.HasField("structured"):
+        m = req.structured
+        structured = StructuredSpec(m.kind, m.value, m.field or "response_format",
+                                    m.after if m.has_after else None)
     return GenerationParams(max_tokens=req.max_tokens, sampling=sampling,
+                            structured=structured,
                             stop_token_ids=tuple(req.stop_token_ids),
                             ignore_eos=req.ignore_eos, prefill=prefill,
                             replay_ratio=replay_ratio,
@@ -134,13 +143,8 @@ INT64 = 2**63
 
 def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.GenerateRequest:
     """Raises `RequestError` for what the message cannot carry: a token id or seed past
-    int64, and structured outputs (the pool samples decode steps; grammar masks do not
-    travel there)."""
+    int64."""
     s = params.sampling
-    if params.structured is not None:
-        raise RequestError(params.structured.field, params.structured.kind,
-                           "structured outputs and forced tool calls are served by the "
-                           "embedded deployment only")
     bad = next((t for t in prompt_ids if not -INT64 <= t < INT64), None)
     if bad is not None:
         raise RequestError("prompt", bad, "is not a token id of this model")
@@ -156,7 +160,15 @@ def params_to_proto(prompt_ids: list[int], params: GenerationParams) -> pb.Gener
                               prompt_logprobs=params.prompt_logprobs or 0,
                               has_logprobs=params.logprobs is not None,
                               logprobs=params.logprobs or 0,
-                              prefill=options_to_proto(params.prefill, params.replay_ratio))
+                              prefill=options_to_proto(params.prefill, params.replay_ratio),
+                              structured=structured_to_proto(params.structured))
+
+
+def structured_to_proto(spec: StructuredSpec | None) -> pb.StructuredOutput | None:
+    if spec is None:
+        return None
+    return pb.StructuredOutput(kind=spec.kind, value=spec.value, field=spec.field,
+                               has_after=spec.after is not None, after=spec.after or "")
 
 
 def prompt_logprob_fields(entries: list[TokenLogprob] | None) -> dict:

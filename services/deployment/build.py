@@ -55,6 +55,17 @@ def build_prefill_service(model: CausalLM, model_dir: str | Path, options: Engin
     return PrefillService(model, options.prefill, PrefillMetrics(registry), lexicon)
 
 
+def grammars_for(model_dir: str | Path, vocab_size: int, registry=None) -> Grammars | None:
+    """Structured outputs for an engine of this checkpoint: None without its tokenizer.
+    xgrammar and the tokenizer load on the first structured request; the metrics go into
+    `registry` when given."""
+    if not has_tokenizer(model_dir):
+        return None
+    return Grammars(functools.partial(load_tokenizer, model_dir), vocab_size,
+                    eos_token_ids(model_dir),
+                    StructuredMetrics(registry) if registry is not None else None)
+
+
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry, structured: bool = True) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
@@ -73,11 +84,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    reuse_filled=options.reuse_filled,
                                    redis_url=options.redis_url)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
-    grammars = None
-    if structured and has_tokenizer(model_dir):     # xgrammar loads on first use
-        grammars = Grammars(functools.partial(load_tokenizer, model_dir),
-                            model.config.vocab_size, eos_token_ids(model_dir),
-                            StructuredMetrics(registry) if registry is not None else None)
+    grammars = (grammars_for(model_dir, model.config.vocab_size, registry) if structured
+                else None)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
                                            kv_cache_bytes=options.kv_cache_bytes,
                                            compile_decode=options.compile_decode),

@@ -39,7 +39,7 @@ from services.common.faults import FaultPlan
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.process import tune_process
 from services.common.sigterm import drain_on_sigterm, exit_soon
-from services.deployment.build import EngineOptions
+from services.deployment.build import EngineOptions, grammars_for
 
 RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
@@ -296,7 +296,8 @@ class AttentionReplica:
                                     eos_token_ids=eos_token_ids(c.model),
                                     kv_cache_bytes=c.kv_cache_bytes,
                                     max_num_seqs=c.max_num_seqs, prefill_service=service,
-                                    shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)])
+                                    shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)],
+                                    grammars=grammars_for(c.model, cfg.vocab_size))
         prefill = None
         if prefill_addresses:
             from services.prefill.client import PrefillClient

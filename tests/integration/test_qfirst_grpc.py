@@ -89,3 +89,37 @@ def test_qfirst_wiring_over_grpc_overlaps_and_matches(tiny_checkpoint, pool_serv
     for r, s in zip(got, ref):
         assert r.output_ids == s.output_ids
         assert (torch.stack(r.logits) - torch.stack(s.logits)).abs().max().item() <= 1e-4
+
+
+def test_constrained_decoding_over_the_pool_equals_the_exact_engine(pool_servers):
+    """A grammar's token masks travel to the pool with each sampling row: greedy and seeded
+    constrained requests on an attention service give the exact engine's tokens, and a
+    request migrated mid-answer resumes with its grammar state."""
+    import json
+
+    from services.common.messages import StructuredSpec
+    from services.deployment.build import grammars_for
+    from kernels.sampling import SamplingParams
+    from tests.helpers.gateway import ZOO
+
+    model = load_model(ZOO)
+    tok_prompt = [1, 4093, 28, 198, 15024, 2520, 347, 18682, 30, 2, 198]
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "ok": {"type": "boolean"}}}
+    spec = StructuredSpec("json_schema", json.dumps(schema))
+    params = [GenerationParams(max_tokens=40, structured=spec,
+                               sampling=SamplingParams(temperature=t, seed=7))
+              for t in (0.0, 1.0)]
+    exact = LLMEngine(model, eos_token_ids=(2,), grammars=grammars_for(ZOO, 49152))
+    want = [s.output_ids for s in exact.generate([tok_prompt] * 2, params)]
+    service = qfirst_engine(model, make_transport("grpc", [a for _, a in pool_servers(model, 1)]),
+                            num_shards=2, block_size=8, num_blocks=64, eos_token_ids=(2,),
+                            grammars=grammars_for(ZOO, 49152))
+    got = [s.output_ids for s in service.generate([tok_prompt] * 2, params)]
+    assert got == want
+    seq_id = service.add_request(tok_prompt, params[0], output_ids=want[0][:6])
+    while service.has_unfinished():
+        service.step()
+    assert service.pop(seq_id).output_ids == want[0]
+    assert service.blocks.num_free == service.blocks.num_blocks
