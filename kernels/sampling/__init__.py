@@ -82,10 +82,27 @@ class History(NamedTuple):
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A packed int32 bitmask [W] -> bool [vocab_size] (xgrammar's layout)."""
+    """Packed int32 bitmasks [..., W] -> bool [..., vocab_size] (xgrammar's layout)."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.to(torch.int32)[:, None] >> shifts) & 1
-    return bits.reshape(-1)[:vocab_size].bool()
+    bits = (words.to(torch.int32)[..., None] >> shifts) & 1
+    return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()
+
+
+def _masked(logits: torch.Tensor, histories) -> tuple[torch.Tensor, list]:
+    """The rows' grammar masks applied in one batched op: (logits with every disallowed
+    token at -inf, the histories without their masks). `logits` itself when none has one."""
+    rows = [i for i, h in enumerate(histories or ()) if h is not None and h.allowed is not None]
+    if not rows:
+        return logits, histories
+    words = torch.stack([histories[i].allowed for i in rows]).to(logits.device)
+    index = torch.tensor(rows, device=logits.device)
+    out = logits.clone()
+    out[index] = out[index].masked_fill(~unpack_bitmask(words, logits.shape[-1]),
+                                        float("-inf"))
+    histories = list(histories)
+    for i in rows:
+        histories[i] = histories[i]._replace(allowed=None)
+    return out, histories
 
 
 def process_logits(logits: torch.Tensor, p: SamplingParams,
@@ -152,6 +169,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """
     logits = logits.float()
     logprobs_all = torch.log_softmax(logits, dim=-1)
+    logits, histories = _masked(logits, histories)
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         base = logits[i]
