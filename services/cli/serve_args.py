@@ -172,6 +172,9 @@ class ServeArgs:
                                   group="prefix")
     redis_url: str | None = flag(None, "shared Redis tier and index, e.g. "
                                        "redis://127.0.0.1:6379/0", group="prefix")
+    prefix_cache_ttl: int | None = flag(None, "seconds a prefix-cache entry stays in Redis "
+                                              "(default: until Redis evicts it)", low=1,
+                                        group="prefix")
     reuse_filled: bool = flag(False, "also reuse rows a RidgeFill prefill filled",
                               group="prefix")
     replay_ratio: float = flag(0.1, "r: replay the last ceil(r·m) rows of an m-token hit "
@@ -242,9 +245,10 @@ class ServeArgs:
                             f"file: {self.chat_template}")
         for f in fields(self):
             _check(f, getattr(self, f.name))
-        if not self.prefix_cache and (self.redis_url or self.reuse_filled):
-            raise FlagError("--prefix-cache", False,
-                            "--redis-url and --reuse-filled need --prefix-cache")
+        if not self.prefix_cache and (self.redis_url or self.reuse_filled
+                                      or self.prefix_cache_ttl):
+            raise FlagError("--prefix-cache", False, "--redis-url, --prefix-cache-ttl and "
+                            "--reuse-filled need --prefix-cache")
         # what the configs refuse in combination (--transport nccl without --gpu, RidgeFill
         # or the prefix cache with --prefill-replicas 0) is refused here too, before loading
         self.engine_options()
@@ -354,6 +358,7 @@ class ServeArgs:
                              prefix_cache_bytes=self.prefix_cache_bytes if self.prefix_cache
                              else None,
                              prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
+                             redis_ttl_s=self.prefix_cache_ttl,
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
                              compile_decode=self.compile, quantization=self.quantization)
 

@@ -28,6 +28,7 @@ class EngineOptions:
     prefix_cache_bytes: int | None = None     # --prefix-cache: memory tier capacity
     prefix_block_size: int = 16
     redis_url: str | None = None
+    redis_ttl_s: int | None = None            # --prefix-cache-ttl: Redis entries expire
     reuse_filled: bool = False
     replay_ratio: float = 0.1
     compile_decode: bool = False              # --compile: decode steps as compiled graphs
@@ -82,7 +83,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    block_size=options.prefix_block_size,
                                    capacity_bytes=options.prefix_cache_bytes,
                                    reuse_filled=options.reuse_filled,
-                                   redis_url=options.redis_url)
+                                   redis_url=options.redis_url,
+                                   redis_ttl_s=options.redis_ttl_s)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
     grammars = (grammars_for(model_dir, model.config.vocab_size, registry) if structured
                 else None)

@@ -374,6 +374,8 @@ the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the en
 {{- if $v.model.servedName }}{{ $a = concat $a (list "--served-model-name" (squote $v.model.servedName)) }}{{ end }}
 {{- $quoted := ternary (quote $redis) (squote $redis) (contains "${" $redis) }}
 {{- if $v.serve.prefixCache }}{{ $a = concat $a (list "--prefix-cache" "--redis-url" $quoted) }}{{ end }}
+{{- if and $v.serve.prefixCache $v.serve.prefixCacheTtlSeconds }}{{ $a = concat $a (list "--prefix-cache-ttl" (toString (int $v.serve.prefixCacheTtlSeconds))) }}{{ end }}
+{{- if $redis }}{{ $a = concat $a (list "--responses-redis-url" $quoted "--responses-ttl" (toString (int $v.serve.responsesTtlSeconds))) }}{{ end }}
 {{- if $redis }}{{ $a = concat $a (list "--rate-limit-redis" $quoted) }}{{ end }}
 {{- if $v.serve.rateLimitRpm }}{{ $a = concat $a (list "--rate-limit-rpm" (toString (int $v.serve.rateLimitRpm))) }}{{ end }}
 {{- if $v.serve.rateLimitTpm }}{{ $a = concat $a (list "--rate-limit-tpm" (toString (int $v.serve.rateLimitTpm))) }}{{ end }}
