@@ -111,8 +111,11 @@ def test_completion_with_token_ids_stop_and_seed(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2, "logit_bias": {"1": 500}}, 400,
      "logit_bias"),
     ({"model": MODEL, "messages": QUESTION, "max_tokens": 2,
-      "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "tool_choice": "required",
+      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format"),
+    ({"model": MODEL, "messages": QUESTION, "max_tokens": 2, "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2,
       "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
