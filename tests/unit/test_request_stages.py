@@ -64,14 +64,10 @@ def test_stage_times_cross_the_attention_services_stream():
 class TimedPlayback(PlaybackEngine):
     """Plays back its tokens; the first carries the engine's queue and prefill times."""
 
-    async def submit(self, prompt_ids, params):
-        seq_id, out = await super().submit(prompt_ids, params)
-        first = out.get_nowait()
+    def outputs(self):
+        first, *rest = super().outputs()
         first.queue_s, first.prefill_s = 0.25, 0.5
-        rest = [out.get_nowait() for _ in range(out.qsize())]
-        for step in [first, *rest]:
-            out.put_nowait(step)
-        return seq_id, out
+        return [first, *rest]
 
 
 class FailingPlayback(PlaybackEngine):
