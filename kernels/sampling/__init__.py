@@ -88,7 +88,7 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(*words.shape[:-1], -1)[..., :vocab_size].bool()
 
 
-def _masked(logits: torch.Tensor, histories) -> tuple[torch.Tensor, list]:
+def apply_masks(logits: torch.Tensor, histories) -> tuple[torch.Tensor, list]:
     """The rows' grammar masks applied in one batched op: (logits with every disallowed
     token at -inf, the histories without their masks). `logits` itself when none has one."""
     rows = [i for i, h in enumerate(histories or ()) if h is not None and h.allowed is not None]
@@ -109,18 +109,14 @@ def process_logits(logits: torch.Tensor, p: SamplingParams,
                    history: History | None = None) -> torch.Tensor:
     """One row [V]: logit bias, then the repetition penalty over the prompt's and output's
     tokens, then the frequency and presence penalties over the output's (vLLM's order),
-    with the banned tokens, and those a grammar does not allow, at -inf. Returns `logits`
-    itself when nothing changes it."""
+    with the banned tokens at -inf. Returns `logits` itself when nothing changes it. (A
+    grammar's `history.allowed` is applied to the whole batch first: `apply_masks`.)"""
     banned = history.banned if history is not None else ()
-    allowed = history.allowed if history is not None else None
-    if not p.logit_bias and not p.penalized and not banned and allowed is None:
+    if not p.logit_bias and not p.penalized and not banned:
         return logits
     if p.penalized and history is None:
         raise ValueError("penalties need the request's tokens (history)")
     logits = logits.clone()
-    if allowed is not None:
-        logits.masked_fill_(~unpack_bitmask(allowed.to(logits.device), logits.shape[-1]),
-                            float("-inf"))
     if banned:
         logits[torch.tensor(list(banned), device=logits.device)] = float("-inf")
     if p.logit_bias:
@@ -169,7 +165,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """
     logits = logits.float()
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    logits, histories = _masked(logits, histories)
+    logits, histories = apply_masks(logits, histories)
     tokens = logits.argmax(dim=-1)
     for i, p in enumerate(params):
         base = logits[i]

@@ -67,9 +67,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
         extra = {"output_ids": list(request.resume_ids)}      # a migrated request's tokens
         try:
             params = params_from_proto(request)
-            grammars = self.loop.engine.grammars
-            if params.structured is not None and grammars is not None:   # off the step loop
-                extra["grammar"] = grammars.compile(params.structured)
+            extra["grammar"] = self.loop.engine.compile_grammar(params)   # off the loop
             if self.prefill is not None:
                 self.loop.engine.validate(prompt, params, remote=True)   # before the prefill
                 pending = self.prefill.start(prompt + extra["output_ids"], request.prefill)

@@ -40,10 +40,9 @@ class EngineBackend(StepDriver, EngineClient):
     async def submit(self, prompt_ids: list[int], params: GenerationParams) -> tuple[int, asyncio.Queue]:
         sub = _Submit(prompt_ids, params, asyncio.get_running_loop(), asyncio.Queue(),
                       threading.Event())
-        grammars = self.engine.grammars
-        if params.structured is not None and grammars is not None:   # off the step loop
-            sub.extra["grammar"] = await sub.loop.run_in_executor(None, grammars.compile,
-                                                                  params.structured)
+        if params.structured is not None:                            # off the step loop
+            sub.extra["grammar"] = await sub.loop.run_in_executor(
+                None, self.engine.compile_grammar, params)
         self._put(("add", sub))
         await asyncio.get_running_loop().run_in_executor(None, self._wait, sub.done)
         if sub.error is not None:

@@ -194,18 +194,14 @@ class LLMEngine:
         they are prefilled with the prompt and count as output (`max_tokens`, penalties,
         `min_tokens`, stop checks), and a seeded sampler skips their draws, so the request
         continues exactly as an uninterrupted run would. `grammar`: `params.structured`
-        compiled already (off this thread, by `self.grammars.compile`); else it is
-        compiled here."""
+        compiled already (off this thread, by `compile_grammar`); else it is compiled
+        here."""
         fill = self.validate(prompt_ids, params, remote=remote is not None)
         matcher = None
         if params.structured is not None:
-            if self.grammars is None:
-                raise RequestError(params.structured.field, params.structured.kind,
-                                   "structured outputs need the engine's tokenizer, which "
-                                   "this deployment's engine does not have")
-            matcher = self.grammars.matcher(grammar if grammar is not None
-                                            else self.grammars.compile(params.structured),
-                                            params.structured.after)
+            if grammar is None:
+                grammar = self.compile_grammar(params)
+            matcher = self.grammars.matcher(grammar, params.structured.after)
         output_ids = list(output_ids)
         if output_ids:
             check_prompt_ids(output_ids, self.model.config.vocab_size, "output_ids")
@@ -234,6 +230,18 @@ class LLMEngine:
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
+
+    def compile_grammar(self, params: GenerationParams):
+        """`params.structured` compiled (None without one), for `add_request(grammar=)`;
+        thread-safe, so callers run it off the step loop. Raises `RequestError` when the
+        spec cannot compile or this engine has no grammars."""
+        spec = params.structured
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise RequestError(spec.field, spec.kind, "structured outputs need the engine's "
+                               "tokenizer, which this deployment's engine does not have")
+        return self.grammars.compile(spec)
 
     def abort(self, seq_id: int) -> bool:
         seq = self.seqs.get(seq_id)

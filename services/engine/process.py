@@ -303,7 +303,7 @@ class _Add:
 
 def _compile_then_add(driver: _PipeDriver, add: _Add) -> None:
     try:
-        add.extra["grammar"] = driver.engine.grammars.compile(add.params.structured)
+        add.extra["grammar"] = driver.engine.compile_grammar(add.params)
     except Exception as exc:  # noqa: BLE001 — a RequestError: the caller's 400
         driver.send(("added", add.ticket, None, exc))
         return
@@ -326,7 +326,7 @@ def _child_main(conn) -> None:
             message = conn.recv()
             if message[0] == "add":
                 add = _Add(*message[1:])
-                if add.params.structured is not None and engine.grammars is not None:
+                if add.params.structured is not None:
                     compiles.submit(_compile_then_add, driver, add)
                 else:
                     driver.commands.put(("add", add))

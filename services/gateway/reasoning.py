@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.stops import tag_start
+
 START, END = "<think>", "</think>"
 
 
@@ -63,7 +65,7 @@ class ReasoningStream:
         if self.state == "thinking":
             at = self.buffer.find(END)
             if at < 0:
-                keep = _partial(self.buffer, END)
+                keep = tag_start(self.buffer, END)
                 reasoning = self.buffer[:len(self.buffer) - keep]
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 return reasoning, ""
@@ -82,9 +84,3 @@ class ReasoningStream:
             return rest, ""
         return "", rest
 
-
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

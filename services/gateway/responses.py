@@ -37,7 +37,7 @@ from services.gateway.limits import check_request
 from services.gateway.protocol import APIError, ChatCompletionRequest, validation_error
 from services.gateway.ratelimit import charge_tokens
 from services.gateway.serving import Fanout
-from services.gateway.tools import ToolCall
+from services.gateway.tools import ToolCall, fragments
 
 
 class FunctionTool(BaseModel):
@@ -333,7 +333,7 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
             "in_progress"), sequence_number=next(seq)))
         async for _, delta in fan.merged(firsts):
             n, reason = delta.n, delta.reason
-            _, text, chunks = answer.feed(delta.text, delta.reason is not None)
+            _, text, _ = answer.feed(delta.text, delta.reason is not None)
             if text:
                 content += text
                 if text_item is None:
@@ -354,8 +354,8 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
                     type="response.output_text.delta", item_id=text_item["id"],
                     output_index=text_item["index"], content_index=0, delta=text,
                     sequence_number=next(seq), logprobs=[]))
-            new_calls = [c for c in answer.tools.calls[len(calls):]] if answer.tools else []
-            if chunks and new_calls:
+            new_calls = answer.tools.calls[len(calls):] if answer.tools else []
+            if new_calls:
                 for piece in close_text("completed"):
                     yield piece
                 for call in new_calls:
@@ -385,10 +385,10 @@ def _call_events(call: ToolCall, index: int, seq, event):
     yield event(wire.ResponseOutputItemAddedEvent(type="response.output_item.added",
                                                   output_index=index, item=pending,
                                                   sequence_number=next(seq)))
-    for a in range(0, len(call.arguments), 16):
+    for piece in fragments(call.arguments):
         yield event(wire.ResponseFunctionCallArgumentsDeltaEvent(
             type="response.function_call_arguments.delta", item_id=item_id,
-            output_index=index, delta=call.arguments[a:a + 16], sequence_number=next(seq)))
+            output_index=index, delta=piece, sequence_number=next(seq)))
     yield event(wire.ResponseFunctionCallArgumentsDoneEvent(
         type="response.function_call_arguments.done", item_id=item_id, output_index=index,
         arguments=call.arguments, sequence_number=next(seq)))

@@ -69,6 +69,15 @@ class StopStrings:
         return out
 
 
+def tag_start(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that begins `tag` (and is shorter than it): the
+    text a stream holds back until it knows whether the tag follows."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
 def _prefix_function(s: str) -> list[int]:
     """KMP's failure table: `pi[j]` = length of the longest proper prefix of `s[:j + 1]`
     that is also its suffix."""

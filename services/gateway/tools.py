@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from services.common.messages import StructuredSpec
+from services.gateway.stops import tag_start
 
 MAX_PARALLEL = 4            # most calls one constrained answer may hold
 ARGUMENT_FRAGMENT = 16      # characters per streamed argument fragment
@@ -138,7 +139,7 @@ class ToolStream:
         while self.buffer:
             at = self.buffer.find(tag)
             if at < 0:                       # no call begins: hold back a partial tag
-                keep = _partial_suffix(self.buffer, tag)
+                keep = tag_start(self.buffer, tag)
                 out.append(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
@@ -168,15 +169,12 @@ class ToolStream:
             self.calls.append(call)
             chunks.append({"index": index, "id": call.id, "type": "function",
                            "function": {"name": call.name, "arguments": ""}})
-            for a in range(0, len(call.arguments), ARGUMENT_FRAGMENT):
-                chunks.append({"index": index, "function": {
-                    "arguments": call.arguments[a:a + ARGUMENT_FRAGMENT]}})
+            chunks += [{"index": index, "function": {"arguments": piece}}
+                       for piece in fragments(call.arguments)]
         return chunks
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def fragments(arguments: str) -> list[str]:
+    """A call's arguments as the pieces a stream sends (they concatenate to it)."""
+    return [arguments[a:a + ARGUMENT_FRAGMENT]
+            for a in range(0, len(arguments), ARGUMENT_FRAGMENT)]

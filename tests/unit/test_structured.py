@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import torch
 
-from kernels.sampling import History, SamplingParams, process_logits, unpack_bitmask
+from kernels.sampling import History, SamplingParams, apply_masks, unpack_bitmask
 from services.common.messages import GenerationParams, RequestError, StructuredSpec
 from services.common.tokenizer import eos_token_ids, load_tokenizer
 from services.engine import EngineConfig, LLMEngine
@@ -101,10 +101,11 @@ def test_the_bitmask_leaves_exactly_the_allowed_tokens():
     for t in allowed:
         words[t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
     assert set(unpack_bitmask(words, 100).nonzero()[:, 0].tolist()) == allowed
-    logits = torch.randn(100)
-    out = process_logits(logits, SamplingParams(), History([], [], (), words))
-    assert set(torch.isfinite(out).nonzero()[:, 0].tolist()) == allowed
-    assert torch.equal(out[sorted(allowed)], logits[sorted(allowed)])
+    logits = torch.randn(2, 100)
+    out, rest = apply_masks(logits, [History([], [], (), words), History([], [], ())])
+    assert set(torch.isfinite(out[0]).nonzero()[:, 0].tolist()) == allowed
+    assert torch.equal(out[0, sorted(allowed)], logits[0, sorted(allowed)])
+    assert torch.equal(out[1], logits[1]) and rest[0].allowed is None     # unmasked row
 
 
 # ---- the engine ------------------------------------------------------------------------------
