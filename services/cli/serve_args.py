@@ -87,8 +87,9 @@ class ServeArgs:
                                           "the weights (1.5x the weight memory)",
                                     choices=("int8",))
     compile: bool = flag(False, "decode steps as torch.compile'd graphs, one per batch "
-                                "bucket, built at start (CPU, dense full-attention models; "
-                                "cached under ~/.cache/splitstack/torchinductor)")
+                                "bucket, built beside the engine at start: steps run "
+                                "eagerly until theirs is ready (CPU, dense full-attention "
+                                "models; cached under ~/.cache/splitstack/torchinductor)")
     max_num_seqs: int = flag(16, "sequences an engine runs at once (on Ray: per attention "
                                  "service)", low=1)
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",

@@ -90,7 +90,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                 else None)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
                                            kv_cache_bytes=options.kv_cache_bytes,
-                                           compile_decode=options.compile_decode),
+                                           compile_decode=options.compile_decode,
+                                           compile_in_background=True),
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
                        prefix_cache=cache, replay_ratio=options.replay_ratio,
                        grammars=grammars)

@@ -5,7 +5,7 @@ import functools
 from pathlib import Path
 
 import torch
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from models import load_model
 from services.common.faults import FaultPlan
@@ -70,6 +70,12 @@ def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
         use_cache_dir()
     registry = CollectorRegistry()
     engine, _ = build_engine(model, model_dir, options, registry)
+    graphs = engine.runner.compiled
+    state = Gauge("splitstack_compiled_decode_buckets", "Decode batch buckets of --compile "
+                  "by state: built (their steps run as a graph) and pending (still "
+                  "compiling; their steps run eagerly meanwhile)", ["state"], registry=registry)
+    state.labels("built").set_function(lambda: len(graphs.compiled) if graphs else 0)
+    state.labels("pending").set_function(lambda: graphs.pending() if graphs else 0)
     return engine, registry
 
 

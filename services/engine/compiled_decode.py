@@ -31,9 +31,12 @@ A step of B rows runs at the smallest bucket >= B. Rows B.. are padding: row 0's
 position attending to one key of row 0's sequence. They write nothing into the cache and
 their logits are dropped, so the step is exact and padding costs products, not attention.
 Steps the graphs do not cover (any prefill, a batch past the largest bucket) run eagerly.
-The buckets compile when the runner is built (`warm`), before a server takes requests:
-15-30 s each on 2 cores the first time, a few seconds from inductor's cache
-(`use_cache_dir`)."""
+The buckets compile when the runner is built (`warm`): 15-30 s each on 2 cores the first
+time, a few seconds from inductor's cache (`use_cache_dir`). A server builds them on a
+thread beside the engine instead (`warm_in_background`): steps run eagerly until their
+bucket's graph is ready, so the first request never waits for the compiler. Either way
+the warm-up runs on a scratch cache of the real one's shape, so a live request's blocks
+are never written."""
 from __future__ import annotations
 
 import logging
@@ -53,6 +56,7 @@ from kernels.cuda_graph import bucket_for
 from models.layers import (MLP, int8_copy, native_int8_rows, onednn_bf16, project,
                            still_fused)
 from models.model import CausalLM
+from services.engine.kv_cache import lazy_zeros
 from services.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -170,6 +174,7 @@ class CompiledDecode:
                                     options={"guard_filter_fn": _input_guards_only})
         self.compiled: set[int] = set()       # buckets built
         self.used: set[int] = set()           # buckets run by a step
+        self.gave_up = False                  # a warm-up failed: the rest stay eager
 
     # ---- what the graph computes -------------------------------------------------------
     def _register(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int]:
@@ -241,24 +246,55 @@ class CompiledDecode:
 
     # ---- steps ---------------------------------------------------------------------------
     def applies(self, out: SchedulerOutput) -> bool:
+        """A decode-only step whose bucket's graph is built (a step in a bucket still
+        compiling runs eagerly)."""
         return (bool(out.decode) and not out.prefill
-                and bucket_for(len(out.decode), self.batch_buckets) is not None)
+                and bucket_for(len(out.decode), self.batch_buckets) in self.compiled)
+
+    @property
+    def ready(self) -> bool:
+        """Every bucket's graph is built."""
+        return self.compiled.issuperset(self.batch_buckets)
+
+    def pending(self) -> int:
+        """Buckets whose graph is still to be built (0 once a warm-up gave up)."""
+        return 0 if self.gave_up else len(set(self.batch_buckets) - self.compiled)
 
     def warm(self, up_to: int | None = None) -> float:
-        """Build the graphs of every bucket (up to the one that holds `up_to` rows) on a
-        scratch block; returns the seconds it took."""
+        """Build the graphs of every bucket (up to the one that holds `up_to` rows);
+        returns the seconds it took. Each is traced and run once on a scratch cache of the
+        real one's shape (its untouched pages cost no memory), then the engine's steps of
+        that bucket use it."""
         start = time.perf_counter()
         last = bucket_for(up_to, self.batch_buckets) if up_to else None
+        kv = self.cache.kv
+        scratch = lazy_zeros(*kv.shape, dtype=kv.dtype, device=kv.device)
         for batch in self.batch_buckets:
             if last is not None and batch > last:
                 break
             t = time.perf_counter()
-            self._call(batch, [0] * batch, [0] * batch, [[0]] * batch, [1] * batch, batch)
+            self._call(batch, [0] * batch, [0] * batch, [[0]] * batch, [1] * batch, batch,
+                       kv=scratch)
             self.compiled.add(batch)
             log.info("compiled the decode step for batch %d in %.1f s", batch,
                      time.perf_counter() - t)
-        # the warm-up wrote into block 0's first slot; its owner (if any) rewrites it
         return time.perf_counter() - start
+
+    def warm_in_background(self) -> threading.Thread:
+        """`warm` on a daemon thread, while the engine steps eagerly; each bucket serves
+        steps as soon as it is built. A failure leaves the rest eager and is logged."""
+        def build():
+            try:
+                log.info("compiled the decode step in %.0f s (batch buckets %s), beside the "
+                         "engine", self.warm(), self.batch_buckets)
+            except Exception:   # inductor needs a C++ toolchain; serve without it
+                self.gave_up = True
+                log.warning("compiling the decode step failed; buckets %s run eagerly",
+                            sorted(set(self.batch_buckets) - self.compiled), exc_info=True)
+
+        thread = threading.Thread(target=build, name="compile-decode", daemon=True)
+        thread.start()
+        return thread
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [B, vocab] fp32 of the step's decode rows (the runner's `run` contract)."""
@@ -276,8 +312,9 @@ class CompiledDecode:
 
     @torch.inference_mode()
     def _call(self, batch: int, ids: list[int], positions: list[int], tables: list[list[int]],
-              lens: list[int], rows: int) -> torch.Tensor:
-        """The bucket-`batch` graph on these rows; the first `rows` are real."""
+              lens: list[int], rows: int, kv: torch.Tensor | None = None) -> torch.Tensor:
+        """The bucket-`batch` graph on these rows; the first `rows` are real. `kv`: the
+        cache it reads and writes (default: the engine's)."""
         bs = self.cache.block_size
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.long)
@@ -291,7 +328,7 @@ class CompiledDecode:
             torch_ops.set_step(self._table, _STEP.plan, rows)
         try:
             return self._graph(torch.tensor(ids, dtype=torch.long), cos, sin, slots,
-                               self.cache.kv)
+                               self.cache.kv if kv is None else kv)
         finally:
             _STEP.plan = _STEP.weights = None
             if self.native:

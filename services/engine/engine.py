@@ -58,6 +58,7 @@ class EngineConfig:
     attention_backend: str | None = None
     compile_decode: bool = False         # decode-only steps as compiled graphs (CPU, dense FA)
     compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # batch sizes with a graph
+    compile_in_background: bool = False  # build the graphs while steps run eagerly
     remote_prefill_timeout_s: float = 600.0   # a prompt prefilled elsewhere fails after this
 
     def __post_init__(self):
@@ -109,7 +110,8 @@ class LLMEngine:
             self.runner: Runner = ModelRunner(
                 model, self.cache, config.attention_backend,
                 keep_hidden=self.prefix.hidden_layers if self.prefix else (),
-                compile_buckets=self._compile_buckets(config))
+                compile_buckets=self._compile_buckets(config),
+                compile_in_background=config.compile_in_background)
         else:
             if prefix_cache is not None:
                 raise ValueError("the prefix cache runs beside the monolithic runner (on the "

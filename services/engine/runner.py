@@ -137,10 +137,12 @@ class ModelRunner:
     `CacheStorage` (embedded server, prefill replicas)."""
 
     def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
-                 keep_hidden: tuple[int, ...] = (), compile_buckets: tuple[int, ...] = ()):
+                 keep_hidden: tuple[int, ...] = (), compile_buckets: tuple[int, ...] = (),
+                 compile_in_background: bool = False):
         """`compile_buckets`: run decode-only steps of up to the largest bucket through
         `torch.compile`d graphs, one per bucket, built here (`compiled_decode`; CPU, dense
-        full-attention models; others keep the eager step and log why)."""
+        full-attention models; others keep the eager step and log why), or with
+        `compile_in_background` on a thread while steps run eagerly."""
         self.model = model
         self.cache = cache
         self.attn = get_backend(attention_backend, model.device)
@@ -158,13 +160,16 @@ class ModelRunner:
                 log.warning("decode steps run eagerly: %s", reason)
             else:
                 self.compiled = compiled_decode.CompiledDecode(self, compile_buckets)
-                try:
-                    log.info("compiled the decode step in %.0f s (batch buckets %s)",
-                             self.compiled.warm(), self.compiled.batch_buckets)
-                except Exception:   # inductor needs a C++ toolchain; serve without it
-                    log.warning("compiling the decode step failed; decode steps run eagerly",
-                                exc_info=True)
-                    self.compiled = None
+                if compile_in_background:
+                    self.compiled.warm_in_background()
+                else:
+                    try:
+                        log.info("compiled the decode step in %.0f s (batch buckets %s)",
+                                 self.compiled.warm(), self.compiled.batch_buckets)
+                    except Exception:   # inductor needs a C++ toolchain; serve without it
+                        log.warning("compiling the decode step failed; decode steps run "
+                                    "eagerly", exc_info=True)
+                        self.compiled = None
 
     def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
         logits = self.run(out)

@@ -86,6 +86,54 @@ def test_bf16_compiled_decode_keeps_the_greedy_tokens(tiny_checkpoint):
     assert compiled.runner.compiled.used == {4}
 
 
+def test_graphs_built_beside_the_engine_never_touch_its_requests(tiny_checkpoint,
+                                                                  monkeypatch):
+    """`compile_in_background` (what a server does): steps run eagerly until the bucket's
+    graph is built, then through it, with the eager engine's tokens and logits. The
+    warm-up runs on a scratch cache, so a request holding block 0 while the graphs build
+    keeps its keys and values."""
+    import threading
+
+    go = threading.Event()
+    warm = compiled_decode.CompiledDecode.warm
+    threads = []
+
+    def gated_warm(self, up_to=None):
+        go.wait(60)
+        return warm(self, up_to)
+
+    def spawn(self):
+        threads.append(start(self))
+        return threads[-1]
+
+    start = compiled_decode.CompiledDecode.warm_in_background
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "warm", gated_warm)
+    monkeypatch.setattr(compiled_decode.CompiledDecode, "warm_in_background", spawn)
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    base = dict(block_size=16, num_blocks=96, max_num_seqs=4, compile_decode=True,
+                compile_buckets=(1,))
+    engine = LLMEngine(model, EngineConfig(**base, compile_in_background=True))
+    plain = LLMEngine(model, EngineConfig(**{**base, "compile_decode": False}))
+    graphs = engine.runner.compiled
+    assert graphs.compiled == set() and not graphs.ready and len(threads) == 1
+    params = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True)
+    seq_id = engine.add_request(PROMPTS[0], params)
+    for _ in range(4):                                   # the prompt, then eager decode steps
+        engine.step()
+    assert 0 in engine.seqs[seq_id].block_table and graphs.used == set()
+    go.set()
+    threads[0].join(300)
+    assert graphs.ready and graphs.compiled == {1}
+    while engine.has_unfinished():
+        engine.step()
+    got, ref = engine.pop(seq_id), plain.generate([PROMPTS[0]], params)[0]
+    assert graphs.used == {1}
+    assert got.output_ids == ref.output_ids
+    assert (torch.stack(got.logits) - torch.stack(ref.logits)).abs().max().item() <= 1e-4
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
 def test_steps_past_the_buckets_and_prefill_steps_run_eagerly(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama3")
     compiled, plain = engines(load_model(path), buckets=(1, 2))
