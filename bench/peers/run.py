@@ -157,6 +157,10 @@ SERVERS = {   # name -> command line (PORT filled in)
     "splitstack --engine-process": [sys.executable, "-m", "services.cli", "serve", "--model",
                                     str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
                                     "--log-level", "warning", "--engine-process"],
+    "splitstack --compile --engine-process": [
+        sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
+        "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--compile",
+        "--engine-process"],
     "splitstack int8 --compile --engine-process": [
         sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
         "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--quantization", "int8",
@@ -205,6 +209,21 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None
     raise RuntimeError(f"{url}: not ready after {timeout:.0f} s")
 
 
+def wait_compiled(url: str, timeout: float = 900.0) -> None:
+    """Until a `--compile` server's decode graphs are built (they build while it serves
+    eagerly): the figures are of the compiled steps."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        pending = [line for line in text.splitlines()
+                   if line.startswith('splitstack_compiled_decode_buckets{state="pending"}')]
+        if not pending or float(pending[0].split()[-1]) == 0:
+            return
+        time.sleep(2)
+    raise RuntimeError(f"{url}: decode graphs not built after {timeout:.0f} s")
+
+
 def served(args) -> None:
     """Both servers up at once (idle ones cost nothing), then the same closed-loop load
     against each in turn, `args.repeats` rounds; medians of the rounds."""
@@ -224,11 +243,17 @@ def served(args) -> None:
                 cmd += ["--n_threads", str(args.threads), "--n_threads_batch", str(args.threads)]
             elif name.startswith("llama-server"):
                 cmd += ["-t", str(args.threads), "-tb", str(args.threads)]
+                if "Q8_0" in name and "amx_int8" in cpu_flags():
+                    # ggml's AMX product of repacked Q8_0 weights crashes at load on this
+                    # kind of host (ggml-org/llama.cpp#20824): the weights stay as loaded
+                    cmd += ["--no-repack"]
             procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                                            stderr=open(out_dir / f"{i}.log", "w"))
             urls[name] = f"http://127.0.0.1:{port}"
         for name, proc in procs.items():
             wait_ready(urls[name], proc)
+            if "--compile" in SERVERS[name]:
+                wait_compiled(urls[name])
             time.sleep(3)
             idle[name] = tree_rss_mb(proc.pid)
         points: dict[str, dict[int, list[dict]]] = {n: {} for n in procs}

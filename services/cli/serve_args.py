@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from services.deployment.autoscale import Autoscaler
     from services.deployment.build import EngineOptions
     from services.deployment.ray_cluster import ClusterConfig
+    from services.engine.speculative import NgramConfig
     from services.gateway.limits import HttpLimits
     from services.gateway.ratelimit import RateLimits
     from services.prefill.service import PrefillConfig
@@ -90,6 +91,12 @@ class ServeArgs:
                                 "bucket, built beside the engine at start: steps run "
                                 "eagerly until theirs is ready (CPU, dense full-attention "
                                 "models; cached under ~/.cache/splitstack/torchinductor)")
+    speculative_config: str | None = flag(None, "speculative decoding without a draft "
+                                                "model, as JSON (vLLM's form): {\"method\": "
+                                                "\"ngram\", \"num_speculative_tokens\": 4, "
+                                                "\"prompt_lookup_max\": 4, "
+                                                "\"prompt_lookup_min\": 2}; greedy requests "
+                                                "of the embedded engine draft")
     max_num_seqs: int = flag(16, "sequences an engine runs at once (on Ray: per attention "
                                  "service)", low=1)
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
@@ -253,6 +260,10 @@ class ServeArgs:
         # what the configs refuse in combination (--transport nccl without --gpu, RidgeFill
         # or the prefix cache with --prefill-replicas 0) is refused here too, before loading
         self.engine_options()
+        if self.speculative_config is not None and self.uses_cluster:
+            raise FlagError("--speculative-config", self.speculative_config,
+                            "--speculative-config runs in the embedded engine: the Q-First "
+                            "attention services decode one token a step")
         self.http_limits()
         self.rate_limits()
         if self.uses_cluster:
@@ -361,7 +372,26 @@ class ServeArgs:
                              prefix_block_size=self.prefix_block_size, redis_url=self.redis_url,
                              redis_ttl_s=self.prefix_cache_ttl,
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
-                             compile_decode=self.compile, quantization=self.quantization)
+                             compile_decode=self.compile, quantization=self.quantization,
+                             speculative=self.speculative())
+
+    def speculative(self) -> NgramConfig | None:
+        """--speculative-config as the engine takes it; a malformed value raises
+        FlagError."""
+        import json
+
+        from services.engine.speculative import NgramConfig
+
+        if self.speculative_config is None:
+            return None
+        try:
+            spec = json.loads(self.speculative_config)
+            if not isinstance(spec, dict):
+                raise ValueError("it must be a JSON object")
+            return NgramConfig.from_dict(spec)
+        except (ValueError, TypeError) as err:
+            raise FlagError("--speculative-config", self.speculative_config,
+                            f"--speculative-config: {err}") from None
 
     def gateway_options(self) -> dict:
         """What the gateway reads of the flags: the chat template, the tool-call and

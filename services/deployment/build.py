@@ -11,6 +11,7 @@ from pathlib import Path
 from models.model import CausalLM
 from services.common.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.speculative import NgramConfig
 from services.engine.structured import Grammars, StructuredMetrics
 from services.prefill.lexicon import Lexicon
 from services.prefill.maps import model_fingerprint
@@ -33,6 +34,7 @@ class EngineOptions:
     replay_ratio: float = 0.1
     compile_decode: bool = False              # --compile: decode steps as compiled graphs
     quantization: str | None = None           # --quantization int8 (applied where loaded)
+    speculative: NgramConfig | None = None    # --speculative-config: n-gram drafts
 
     def __post_init__(self):
         TailReplayConfig(self.replay_ratio)   # refuse a bad flag before loading anything
@@ -91,7 +93,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
                                            kv_cache_bytes=options.kv_cache_bytes,
                                            compile_decode=options.compile_decode,
-                                           compile_in_background=True),
+                                           compile_in_background=True,
+                                           speculative=options.speculative),
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
                        prefix_cache=cache, replay_ratio=options.replay_ratio,
                        grammars=grammars)

@@ -76,7 +76,25 @@ def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
                   "compiling; their steps run eagerly meanwhile)", ["state"], registry=registry)
     state.labels("built").set_function(lambda: len(graphs.compiled) if graphs else 0)
     state.labels("pending").set_function(lambda: graphs.pending() if graphs else 0)
+    registry.register(SpecDecodeCollector(engine.spec_stats))
     return engine, registry
+
+
+class SpecDecodeCollector:
+    """vLLM's speculative-decoding counters, read from the engine's `SpecStats`."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        s = self.stats
+        for name, doc, value in (
+                ("drafts", "Speculative steps: a request's draft verified", s.drafts),
+                ("draft_tokens", "Draft tokens proposed (n-gram lookup)", s.draft_tokens),
+                ("accepted_tokens", "Draft tokens accepted", s.accepted_tokens)):
+            yield CounterMetricFamily(f"splitstack_spec_decode_num_{name}", doc, value=value)
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,

@@ -40,6 +40,7 @@ from services.engine.runner import (CacheLayout, ModelRunner, Runner, RunnerFact
                                     SamplingRows)
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, Status
+from services.engine.speculative import NgramConfig, SpecStats, drafts, propose
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -60,6 +61,7 @@ class EngineConfig:
     compile_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)   # batch sizes with a graph
     compile_in_background: bool = False  # build the graphs while steps run eagerly
     remote_prefill_timeout_s: float = 600.0   # a prompt prefilled elsewhere fails after this
+    speculative: NgramConfig | None = None   # n-gram speculative decoding (`speculative`)
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -123,6 +125,12 @@ class LLMEngine:
                                    cached_tokens=self.prefix.cached_tokens if self.prefix else None)
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
+        self.spec_stats = SpecStats()
+        if config.speculative is not None and (runner is not None or cfg.is_hybrid):
+            raise ValueError("speculative decoding runs in the monolithic engine of a "
+                             "full-attention model (the embedded deployment): Gated DeltaNet "
+                             "states cannot roll back a rejected draft yet, and the Q-First "
+                             "attention services run one token a step")
         self._ids = itertools.count()
 
     @staticmethod
@@ -297,6 +305,8 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         failed = self._collect_remote() if self.scheduler.remote else []
+        if self.config.speculative is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if out.empty:
             return failed
@@ -327,17 +337,37 @@ class LLMEngine:
         exports = self._exports(out)
         return failed + self._postprocess(out, self._merge(out, sampled), exports)
 
+    def _propose(self) -> None:
+        """Each running greedy request about to decode drafts its next tokens (n-gram
+        lookup), as many as its `max_tokens` and the context leave room for."""
+        for seq in self.scheduler.running:
+            seq.draft = []
+            if seq.num_uncomputed == 1 and drafts(seq):
+                room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
+                           self.max_model_len - seq.num_tokens)
+                seq.draft = propose(seq.tokens, self.config.speculative, room)
+
     def _sampling_rows(self, out: SchedulerOutput) -> SamplingRows:
-        seqs = [c.seq for c in out.chunks if c.sample]
-        allowed = structured.masks([s.matcher for s in seqs],
+        """One row per sampling chunk, 1 + k for a speculative step's: its row i reads the
+        history a plain decode would have after the draft's first i tokens."""
+        chunks = [c for c in out.chunks if c.sample]
+        allowed = structured.masks([c.seq.matcher for c in chunks],
                                    self.grammars.metrics if self.grammars else None)
-        return SamplingRows([s.params.sampling for s in seqs], [s.generator for s in seqs],
-                            [s.params.history(s.prompt_ids, s.output_ids, self.eos_token_ids,
-                                              a) for s, a in zip(seqs, allowed)])
+        params, generators, histories = [], [], []
+        for c, a in zip(chunks, allowed):
+            s = c.seq
+            for i in range(1 + c.draft):
+                params.append(s.params.sampling)
+                generators.append(s.generator)
+                histories.append(s.params.history(
+                    s.prompt_ids, s.output_ids + s.draft[:i] if i else s.output_ids,
+                    self.eos_token_ids, a))
+        return SamplingRows(params, generators, histories)
 
     def _merge(self, out: SchedulerOutput, sampled: Sampled | None) -> list[tuple]:
-        """(token, log-prob, logits) of each sampling chunk in `out.chunks` order: the
-        runner's rows, and chunks prefilled out of band sampled here from their logits."""
+        """(token, log-prob, logits) of each sampling row in `out.chunks` order (1 + k for
+        a speculative step): the runner's rows, and chunks prefilled out of band sampled
+        here from their logits."""
         ext = [c for c in out.chunks if c.sample and c.logits is not None]
         drawn = {}
         if ext:
@@ -351,7 +381,8 @@ class LLMEngine:
                 continue
             if id(c) in drawn:
                 rows.append(drawn[id(c)])
-            else:
+                continue
+            for _ in range(1 + c.draft):
                 rows.append((int(sampled.tokens[i]), float(sampled.logprobs[i]),
                              sampled.logits[i]))
                 i += 1
@@ -389,32 +420,60 @@ class LLMEngine:
                      exports: dict[int, PromptExport]) -> list[StepOutput]:
         for c in out.chunks:
             c.seq.num_computed = c.start + c.length
-        results = []
-        for c, (tok, lp, logits) in zip([c for c in out.chunks if c.sample], rows):
-            seq = c.seq
-            seq.output_ids.append(tok)
-            seq.logprobs.append(lp)
-            if seq.matcher is not None and not seq.matcher.accept(tok):
-                log.warning("request %s: token %s is outside its grammar", seq.seq_id, tok)
-            if seq.params.return_logits:
-                seq.logits.append(logits.clone())
-            export = exports.get(seq.seq_id)
-            if export is not None:
-                export.logits = logits.clone()
-            reason = self._stop_reason(seq, tok)
-            if reason:
-                self._finish(seq, reason)
-            prompt = (list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None
-                      and len(seq.output_ids) == 1 else None)
-            result = StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
-                                export=export, top_logprobs=seq.params.top_logprobs(logits),
-                                prompt_logprobs=prompt)
-            if seq.first_token_s is None:      # a prefill elsewhere counts as prefill
-                seq.first_token_s = time.monotonic()
-                result.queue_s = seq.scheduled_s - seq.arrival_s - seq.remote_s
-                result.prefill_s = seq.first_token_s - seq.scheduled_s + seq.remote_s
-            results.append(result)
+        results, rows = [], iter(rows)
+        for c in [c for c in out.chunks if c.sample]:
+            chunk_rows = [next(rows) for _ in range(1 + c.draft)]
+            for i, (tok, lp, logits) in enumerate(chunk_rows):
+                results.append(self._emit(c, tok, lp, logits, exports))
+                if c.seq.finished or i == c.draft or tok != c.seq.draft[i]:
+                    break
+            if c.draft:
+                self._verified(c, i + 1)
         return results
+
+    def _verified(self, c: ScheduledChunk, emitted: int) -> None:
+        """After a speculative step that emitted `emitted` tokens (the accepted draft
+        tokens and one more): the cache holds the sequence up to its new last token, and
+        blocks taken for rejected draft tokens go back."""
+        seq = c.seq
+        self.spec_stats.drafts += 1
+        self.spec_stats.draft_tokens += c.draft
+        self.spec_stats.accepted_tokens += emitted - 1
+        seq.draft = []
+        if seq.finished:
+            return
+        seq.num_computed = c.start + emitted
+        keep = self.blocks.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self.blocks.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _emit(self, c: ScheduledChunk, tok: int, lp: float, logits: torch.Tensor,
+              exports: dict[int, PromptExport]) -> StepOutput:
+        """`tok`, sampled for `c`'s sequence: appended, checked for its ends, reported."""
+        seq = c.seq
+        seq.output_ids.append(tok)
+        seq.logprobs.append(lp)
+        if seq.matcher is not None and not seq.matcher.accept(tok):
+            log.warning("request %s: token %s is outside its grammar", seq.seq_id, tok)
+        if seq.params.return_logits:
+            seq.logits.append(logits.clone())
+        export = exports.get(seq.seq_id)
+        if export is not None:
+            export.logits = logits.clone()
+        reason = self._stop_reason(seq, tok)
+        if reason:
+            self._finish(seq, reason)
+        prompt = (list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None
+                  and len(seq.output_ids) == 1 else None)
+        result = StepOutput(seq.seq_id, tok, lp, seq.finished, seq.finish_reason,
+                            export=export, top_logprobs=seq.params.top_logprobs(logits),
+                            prompt_logprobs=prompt)
+        if seq.first_token_s is None:      # a prefill elsewhere counts as prefill
+            seq.first_token_s = time.monotonic()
+            result.queue_s = seq.scheduled_s - seq.arrival_s - seq.remote_s
+            result.prefill_s = seq.first_token_s - seq.scheduled_s + seq.remote_s
+        return result
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params

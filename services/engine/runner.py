@@ -104,8 +104,7 @@ class StepTensors:
 def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTensors:
     ids, positions, slots = [], [], []
     for c in out.chunks:
-        toks = c.seq.tokens[c.start:c.start + c.length]
-        ids.extend(toks)
+        ids.extend(c.seq.tokens[c.start:c.start + c.length - c.draft] + c.seq.draft[:c.draft])
         for p in range(c.start, c.start + c.length):
             positions.append(p)
             slots.append(c.seq.block_table[p // block_size] * block_size + p % block_size)
@@ -120,8 +119,8 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
                                       block_size, c.length, as_long([c.start]))
         prefill.append((row, c.length, plan, c.seq.state_slot))
         row += c.length
-        if c.sample:
-            sample_rows.append(row - 1)
+        if c.sample:        # the last row; every row of a speculative step
+            sample_rows.extend(range(row - 1 - c.draft, row))
     dec_plan = None
     if out.decode:
         dec_plan = backend.plan_paged(as_long(tables).view(len(tables), width),

@@ -39,12 +39,15 @@ class ScheduledChunk:
                             # prefix cache (start == cached); 0 otherwise
     capture: bool = False   # keep this chunk's FA output hiddens (set by the engine)
     hidden: list = field(default_factory=list)  # [G] of [length, H], filled by the runner
+    draft: int = 0          # a speculative step: the sequence's last token then its first
+                            # `draft` draft tokens (length 1 + draft), every row sampled
 
 
 @dataclass
 class SchedulerOutput:
     decode: list[ScheduledChunk]     # length-1 chunks, batched together
-    prefill: list[ScheduledChunk]    # longer chunks, one attention call each
+    prefill: list[ScheduledChunk]    # longer chunks, one attention call each (a speculative
+                                     # step's chunk among them)
     preempted: list[Sequence]
 
     @property
@@ -135,6 +138,12 @@ class Scheduler:
             if seq not in self.running:
                 continue                     # preempted by an older sequence this step
             todo = seq.num_uncomputed
+            if todo == 1 and seq.draft:
+                chunk = self._take_draft(seq, budget)
+                if chunk:
+                    out.prefill.append(chunk)
+                    budget -= chunk.length
+                    continue
             if todo == 1:
                 while not self.blocks.can_allocate(
                         max(0, self.blocks.blocks_for(seq.num_tokens) - len(seq.block_table))):
@@ -186,6 +195,18 @@ class Scheduler:
             seq.state_slot = self.slots.allocate()
         seq.status = Status.RUNNING
         self.running.append(seq)
+
+    def _take_draft(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """A speculative step for `seq`: its last token and its draft, when the budget and
+        free blocks hold them (never preempting for a draft); else its draft is dropped and
+        it decodes one token."""
+        k = len(seq.draft)
+        need = self.blocks.blocks_for(seq.num_tokens + k) - len(seq.block_table)
+        if budget < 1 + k or not self.blocks.can_allocate(need):
+            seq.draft = []
+            return None
+        self.blocks.grow(seq.block_table, seq.num_tokens + k)
+        return ScheduledChunk(seq, seq.num_computed, 1 + k, True, draft=k)
 
     def _take_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         n = min(seq.num_uncomputed, self.max_prefill_chunk, budget)

@@ -46,6 +46,8 @@ class Sequence:
     scheduled_s: float | None = None       # its first scheduling (not reset by preemption)
     first_token_s: float | None = None     # its first token in this engine
     matcher: object | None = None  # its grammar's state (`structured.Matcher`), if constrained
+    draft: list[int] = field(default_factory=list)   # tokens proposed for its next step
+                                                     # (speculative decoding), unverified
 
     def __post_init__(self):
         seed = self.params.sampling.seed

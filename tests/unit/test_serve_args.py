@@ -34,7 +34,7 @@ def test_every_field_is_one_flag_with_help():
     actions = {a.option_strings[0]: a for a in serve_parser()._actions
                if a.option_strings and a.dest != "help"}
     names = [flag_name(f.name) for f in dataclasses.fields(ServeArgs)]
-    assert sorted(actions) == sorted(names) and len(names) == 67
+    assert sorted(actions) == sorted(names) and len(names) == 68
     for f in dataclasses.fields(ServeArgs):
         action = actions[flag_name(f.name)]
         assert action.dest == f.name
@@ -174,6 +174,24 @@ def test_the_same_ranges_are_usage_errors_on_the_command_line(flags, option, cap
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", *flags])
     assert exc.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_speculative_config_takes_vllms_json_and_refuses_what_cannot_run():
+    from services.engine.speculative import NgramConfig
+
+    args = parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                         '"prompt_lookup_max": 5, "prompt_lookup_min": 1}')
+    assert args.engine_options().speculative == NgramConfig(3, 5, 1)
+    assert parse().engine_options().speculative is None
+    for bad, says in (("{not json", "--speculative-config: "), ("[3]", "JSON object"),
+                      ('{"method": "eagle"}', "'eagle'"),
+                      ('{"num_speculative_tokens": 0}', "num_speculative_tokens"),
+                      ('{"k": 3}', "unknown speculative-config keys")):
+        with pytest.raises(FlagError, match=says) as err:
+            parse("--speculative-config", bad)
+        assert err.value.flag == "--speculative-config"
+    with pytest.raises(FlagError, match="embedded engine"):
+        parse("--speculative-config", "{}", "--disaggregated")
 
 
 def test_compile_and_quantization_reach_every_engine_and_member():

@@ -1,0 +1,136 @@
+"""n-gram speculative decoding (`--speculative-config`), measured on the engine: output
+tokens/s with and without drafts, side by side in one run, the acceptance rate, and
+whether the greedy outputs are the same.
+
+    .venv/bin/python -m bench.serving.speculative [--repeats 3] [--batch 1 8] [--max-tokens 128]
+
+Workloads (SmolLM2-135M-Instruct's chat template, greedy):
+- `edit`: "rename this function" over Python standard-library functions (the reply copies
+  most of the code);
+- `quote`: "copy this paragraph, fixing its typos" over standard-library module
+  documentation;
+- `chat`: open questions, where the reply has little to copy (drafts must not slow it).
+
+Nothing here was tuned on these prompts: the lookup settings are the flags' defaults.
+Each mode has its own engine, built before any timing; the modes alternate within each
+round, and figures are medians of the rounds. A round runs the workload's prompts `batch`
+at a time to completion, timed from the first step to the last.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import time
+
+import torch
+
+from bench.common import MODEL
+from models import load_model
+from services.cli.argtypes import DTYPES, resolve_dtype
+from services.common.tokenizer import eos_token_ids, load_tokenizer
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.engine.speculative import NgramConfig
+
+
+def workloads() -> dict[str, list[str]]:
+    import json.encoder
+    import posixpath
+    import shlex
+    import string
+    import textwrap
+    import fnmatch
+    import colorsys
+    import base64
+
+    funcs = [textwrap.dedent, shlex.quote, posixpath.join, string.capwords,
+             fnmatch.translate, colorsys.rgb_to_hsv, base64.b64encode,
+             json.encoder.py_encode_basestring]
+    edit = [f"Here is a Python function:\n\n```python\n{inspect.getsource(f)}```\n\nRewrite it "
+            f"with the function renamed to `{f.__name__}_v2`. Reply with the code only."
+            for f in funcs]
+    docs = [textwrap, shlex, string, fnmatch, colorsys, base64, posixpath, json]
+    quote = []
+    for mod in docs:
+        text = " ".join((inspect.getdoc(mod) or "").split())[:700]
+        quote.append("Copy the following paragraph, fixing any typos, and change nothing "
+                     f"else:\n\n{text}")
+    chat = ["What are three good habits for writing maintainable software?",
+            "Explain how a refrigerator keeps food cold.",
+            "Give me a short plan for learning to play the guitar.",
+            "Why is the sky blue? Answer for a ten-year-old.",
+            "What should I pack for a weekend hiking trip?",
+            "Describe the water cycle in a few sentences.",
+            "How do I make a simple tomato sauce?",
+            "What is the difference between weather and climate?"]
+    return {"edit": edit, "quote": quote, "chat": chat}
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int):
+    """-> (seconds, output tokens, outputs) of the prompts, `batch` at a time."""
+    params = GenerationParams(max_tokens=max_tokens)
+    outs, tokens, start = [], 0, time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        for seq in engine.generate(prompts[i:i + batch], params):
+            outs.append(seq.output_ids)
+            tokens += len(seq.output_ids)
+    return time.perf_counter() - start, tokens, outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = resolve_dtype("auto", False)
+    model = load_model(MODEL, dtype=DTYPES[dtype])
+    tok = load_tokenizer(MODEL)
+    eos = eos_token_ids(MODEL)
+    spec = NgramConfig(num_speculative_tokens=args.k)
+    config = dict(max_num_seqs=max(args.batch), kv_cache_bytes=256 << 20)
+    engines = {"plain": LLMEngine(model, EngineConfig(**config), eos_token_ids=eos),
+               "ngram": LLMEngine(model, EngineConfig(**config, speculative=spec),
+                                  eos_token_ids=eos)}
+    encoded = {name: [tok.apply_chat_template([{"role": "user", "content": p}],
+                                              add_generation_prompt=True, tokenize=True)
+                      for p in ps] for name, ps in workloads().items()}
+    for e in engines.values():                                   # warm-up
+        run(e, encoded["chat"][:1], 1, 8)
+    print(f"# n-gram speculative decoding, {MODEL.name} {dtype}, {args.threads} threads, "
+          f"k={spec.num_speculative_tokens}, lookup {spec.prompt_lookup_max}.."
+          f"{spec.prompt_lookup_min}; {args.repeats} rounds, medians; at most "
+          f"{args.max_tokens} tokens, greedy")
+    print("| workload | batch | plain tok/s | ngram tok/s | speedup | acceptance | tokens "
+          "per draft step | same outputs |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, prompts in encoded.items():
+        for batch in args.batch:
+            rates = {m: [] for m in engines}
+            same, total, stats0 = 0, 0, None
+            for r in range(args.repeats):
+                s = engines["ngram"].spec_stats
+                before = (s.drafts, s.draft_tokens, s.accepted_tokens)
+                outs = {}
+                for m in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                    sec, n, outs[m] = run(engines[m], prompts, batch, args.max_tokens)
+                    rates[m].append(n / sec)
+                same += sum(a == b for a, b in zip(outs["plain"], outs["ngram"]))
+                total += len(outs["plain"])
+                if stats0 is None:
+                    stats0 = [after - b for after, b in zip(
+                        (s.drafts, s.draft_tokens, s.accepted_tokens), before)]
+            drafts, proposed, accepted = stats0
+            plain, ngram = (statistics.median(rates[m]) for m in ("plain", "ngram"))
+            print(f"| {name} | {batch} | {plain:.1f} | {ngram:.1f} | **{ngram / plain:.2f}x** | "
+                  f"{accepted / max(1, proposed):.0%} | "
+                  f"{(drafts + accepted) / max(1, drafts):.2f} | "
+                  f"{same}/{total} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Speculative decoding without a draft model: n-gram prompt lookup (vLLM's `ngram`).
+
+Before a step, each running greedy request looks for the last `n` tokens it holds (n from
+`prompt_lookup_max` down to `prompt_lookup_min`) earlier in its prompt and output. At the
+latest earlier match, the tokens that followed are its draft: up to
+`num_speculative_tokens` of them. The step then feeds the request's last token and the
+draft as one chunk of 1 + k rows (`ScheduledChunk.draft`), attending over the cache as a
+prompt chunk does, and samples every row. Row i's history is the output plus the first i
+draft tokens, so penalties and `min_tokens` see what a step-by-step decode would have seen.
+
+Verification keeps the greedy output unchanged: row i's token is the one a plain decode
+would pick after the draft's first i tokens, so the step emits row 0's token, then row
+i + 1's for as long as row i's token equals draft token i. The keys and values of the
+rejected draft tokens stay in the cache past the sequence's end, where the next step
+overwrites them; blocks taken for them and no longer needed go back at once.
+
+Which requests draft: greedy ones without a grammar. Sampled requests decode one token a
+step (rejection sampling for them is not built), as do the Gated DeltaNet hybrids (their
+recurrent state would need rolling back on a rejection) and the Q-First deployment's
+engines (the attention services run decode rows only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_speculative_tokens: int = 4     # k: draft tokens per step at most
+    prompt_lookup_max: int = 4          # the longest suffix looked up
+    prompt_lookup_min: int = 2          # the shortest
+
+    def __post_init__(self):
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    @classmethod
+    def from_dict(cls, spec: dict) -> NgramConfig:
+        """vLLM's `--speculative-config` form: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}."""
+        spec = dict(spec)
+        method = spec.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative method {method!r} is not supported (only "
+                             f"'ngram': prompt lookup, no draft model)")
+        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative-config keys {unknown}; known: "
+                             f"{sorted(known | {'method'})}")
+        bad = [k for k, v in spec.items() if isinstance(v, bool) or not isinstance(v, int)]
+        if bad:
+            raise ValueError(f"speculative-config {bad} must be integers")
+        return cls(**spec)
+
+
+def propose(tokens: list[int], config: NgramConfig, limit: int) -> list[int]:
+    """The draft after `tokens`: at most `limit` (and k) tokens that followed the latest
+    earlier occurrence of its longest matching suffix; [] when none matches."""
+    limit = min(limit, config.num_speculative_tokens)
+    if limit <= 0 or len(tokens) <= config.prompt_lookup_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(config.prompt_lookup_max, len(tokens) - 1),
+                   config.prompt_lookup_min - 1, -1):
+        suffix = arr[-n:]
+        # windows that start at 0 .. len - n - 1 (the suffix itself excluded)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start:start + limit].tolist()
+    return []
+
+
+def drafts(seq: Sequence) -> bool:
+    """Whether `seq` may draft: greedy, no grammar."""
+    return seq.params.sampling.greedy and seq.matcher is None
+
+
+@dataclass
+class SpecStats:
+    """Counts since start (vLLM's spec-decode counters): steps that verified a draft,
+    draft tokens proposed, of them accepted."""
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -1,0 +1,59 @@
+"""n-gram speculative decoding served over real HTTP with the official `openai` client,
+the engine in its own process: a copy-heavy greedy answer equals the plain server's, whole
+and streamed (several tokens a step reach the stream intact), the acceptance counters move
+on /metrics, and a sampled request is served as usual."""
+from __future__ import annotations
+
+import inspect
+import textwrap
+
+import httpx
+import pytest
+
+from services.deployment.server import build_embedded
+from services.engine.speculative import NgramConfig
+from tests.helpers.gateway import MODEL, ZOO, client, running
+
+pytestmark = pytest.mark.slow
+
+ASK = [{"role": "user", "content": "Here is a Python function:\n\n```python\n"
+        f"{inspect.getsource(textwrap.indent)}```\n\nRewrite it with the function renamed "
+        "to `indent_v2`. Reply with the code only."}]
+
+
+@pytest.fixture(scope="module")
+def servers():
+    spec = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1, engine_process=True,
+                          speculative=NgramConfig(4, 4, 2))
+    plain = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1)
+    with running(spec) as spec_url, running(plain) as plain_url:
+        yield spec_url, plain_url
+
+
+def counter(base: str, name: str) -> float:
+    line = next(line for line in httpx.get(base + "/metrics").text.splitlines()
+                if line.startswith(f"splitstack_spec_decode_num_{name}_total "))
+    return float(line.split()[-1])
+
+
+def test_greedy_answers_equal_the_plain_servers_whole_and_streamed(servers):
+    spec, plain = servers
+    before = counter(spec, "accepted_tokens")
+    ask = dict(model=MODEL, messages=ASK, max_tokens=96, temperature=0)
+    want = client(plain).chat.completions.create(**ask).choices[0].message.content
+    got = client(spec).chat.completions.create(**ask)
+    assert got.choices[0].message.content == want
+    assert got.usage.completion_tokens <= 96
+    chunks = client(spec).chat.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    accepted = counter(spec, "accepted_tokens") - before
+    assert accepted > 0 and counter(spec, "draft_tokens") >= counter(spec, "accepted_tokens")
+
+
+def test_a_sampled_request_is_served_without_drafts(servers):
+    spec, _ = servers
+    drafts = counter(spec, "drafts")
+    r = client(spec).chat.completions.create(model=MODEL, messages=ASK, max_tokens=24,
+                                             temperature=0.8, seed=3)
+    assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
+    assert counter(spec, "drafts") == drafts

@@ -1,0 +1,127 @@
+"""Speculative decoding by n-gram prompt lookup: the proposer finds the latest earlier match
+of the longest suffix; a greedy engine that drafts gives exactly the tokens (and, within
+rounding, the logits) of one that does not, with penalties and `min_tokens` too; drafts
+respect `max_tokens`; rejected drafts give their blocks back; models and deployments it
+cannot verify on are refused at start."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.sampling import SamplingParams
+from models import load_model
+from services.engine import EngineConfig, GenerationParams, LLMEngine
+from services.engine.speculative import NgramConfig, propose
+from tests.helpers.tail_replay import prompt
+
+SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+
+
+def test_propose_takes_what_followed_the_latest_longest_match():
+    cfg = NgramConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2)
+    #          0  1  2  3  4  5  6  7  8  9 10
+    tokens = [5, 6, 7, 1, 2, 9, 6, 7, 3, 4, 6, 7]
+    assert propose(tokens, cfg, limit=10) == [3, 4, 6]      # "6 7" last seen at 6..7
+    assert propose(tokens, cfg, limit=2) == [3, 4]
+    assert propose(tokens, cfg, limit=0) == []
+    # the 3-gram "9 6 7" beats the later 2-gram match
+    assert propose([9, 6, 7, 8, 0, 6, 7, 1, 9, 6, 7], cfg, limit=10) == [8, 0, 6]
+    assert propose([1, 2, 3, 4, 5], cfg, limit=10) == []    # no earlier match
+    assert propose([1, 2], cfg, limit=10) == []
+    # a match whose continuation runs to the end drafts what there is
+    assert propose([4, 4, 4], NgramConfig(4, 1, 1), limit=10) == [4]
+
+
+def test_config_takes_vllms_form_and_refuses_what_it_cannot_run():
+    cfg = NgramConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5,
+                                 "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    assert cfg == NgramConfig(5, 4, 2)
+    with pytest.raises(ValueError, match="'eagle'"):
+        NgramConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="unknown speculative-config keys"):
+        NgramConfig.from_dict({"num_speculative_tokens": 2, "model": "x"})
+    with pytest.raises(ValueError, match="integers"):
+        NgramConfig.from_dict({"num_speculative_tokens": 2.5})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        NgramConfig(2, 1, 3)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        NgramConfig(0)
+
+
+def engines(path, speculative=SPEC, **over):
+    model = load_model(path)
+    base = dict(block_size=4, num_blocks=256, max_num_seqs=4, **over)
+    return (LLMEngine(model, EngineConfig(**base, speculative=speculative)),
+            LLMEngine(model, EngineConfig(**base)))
+
+
+def repetitive(n: int, seed: int) -> list[int]:
+    """A prompt that repeats a phrase: n-gram drafts find matches in it."""
+    phrase = prompt(7, seed=seed)
+    return (phrase * (n // 7 + 1))[:n]
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_greedy_output_is_the_plain_engines(family, tiny_checkpoint):
+    """Same greedy tokens and logits within fp32 rounding, drafts accepted and rejected,
+    every block back at the end and none held past a sequence's end between steps."""
+    path, _ = tiny_checkpoint(family)
+    spec, plain = engines(path)
+    params = GenerationParams(max_tokens=24, ignore_eos=True, return_logits=True)
+    prompts = [repetitive(40, 1), prompt(30, seed=2), repetitive(23, 3)]
+    ids = [spec.add_request(p, params) for p in prompts]
+    while spec.has_unfinished():
+        spec.step()
+        for seq in spec.scheduler.running:     # rejected drafts' blocks went back
+            assert len(seq.block_table) <= spec.blocks.blocks_for(seq.num_tokens + 1)
+    got = [spec.pop(i) for i in ids]
+    ref = plain.generate(prompts, params)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert len(g.logits) == len(r.logits) == params.max_tokens
+        assert (torch.stack(g.logits) - torch.stack(r.logits)).abs().max().item() <= 1e-4
+    stats = spec.spec_stats
+    assert stats.drafts > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
+    assert spec.blocks.num_free == spec.blocks.num_blocks
+
+
+def test_penalties_min_tokens_and_stops_follow_the_draft(tiny_checkpoint):
+    """Row i of a speculative step reads the history after the draft's first i tokens:
+    the repetition and frequency penalties and `min_tokens` give the plain engine's
+    tokens, and a stop token inside an accepted draft ends the request there."""
+    path, _ = tiny_checkpoint("llama3")
+    spec, plain = engines(path)
+    penalized = GenerationParams(max_tokens=20, min_tokens=12, sampling=SamplingParams(
+        repetition_penalty=1.3, frequency_penalty=0.4))
+    free = GenerationParams(max_tokens=20, ignore_eos=True)
+    p = repetitive(35, 4)
+    ref_free = plain.generate([p], free)[0].output_ids
+    stopping = GenerationParams(max_tokens=20, stop_token_ids=(ref_free[9],), ignore_eos=True)
+    got = spec.generate([p, p, p], [penalized, free, stopping])
+    ref = plain.generate([p, p, p], [penalized, free, stopping])
+    assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+    assert got[2].output_ids[-1] == ref_free[9] and got[2].finish_reason == "stop"
+    assert spec.spec_stats.accepted_tokens > 0
+    assert spec.blocks.num_free == spec.blocks.num_blocks
+
+
+def test_drafts_stop_at_max_tokens_and_sampled_requests_decode_one_token(tiny_checkpoint):
+    """No step emits past `max_tokens`; a sampled request never drafts (it keeps its
+    seeded tokens), and a greedy one beside it still does."""
+    path, _ = tiny_checkpoint("llama3")
+    spec, plain = engines(path)
+    p = repetitive(30, 5)
+    seeded = GenerationParams(max_tokens=9, ignore_eos=True,
+                              sampling=SamplingParams(temperature=0.8, seed=7))
+    greedy = GenerationParams(max_tokens=9, ignore_eos=True)
+    got = spec.generate([p, p], [seeded, greedy])
+    ref = plain.generate([p, p], [seeded, greedy])
+    assert [len(g.output_ids) for g in got] == [9, 9]
+    assert [g.output_ids for g in got] == [r.output_ids for r in ref]
+    assert spec.spec_stats.drafts > 0
+
+
+def test_what_cannot_verify_a_draft_is_refused(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3_5")                 # Gated DeltaNet layers
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        LLMEngine(load_model(path), EngineConfig(num_blocks=32, speculative=SPEC))
