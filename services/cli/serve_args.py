@@ -56,6 +56,14 @@ def flag(default, help: str, *, choices=None, low=None, high=None, group=None,
     return field(default_factory=lambda: os.environ.get(env) or default, metadata=meta)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity, as a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class FlagError(ValueError):
     """A serve flag's value, or a combination of flags, that serving refuses."""
 
@@ -101,7 +109,9 @@ class ServeArgs:
                                  "service)", low=1)
     kv_cache_gib: float = flag(1.0, "memory for the paged KV cache; caps the context length",
                                low=1e-3)
-    threads: int | None = flag(None, "torch threads (embedded: 2; per Ray actor: 1)", low=1)
+    threads: int | None = flag(None, "torch threads (embedded: one fewer than this "
+                                     "process's cores, at least 1, so the HTTP front end "
+                                     "keeps a core; per Ray actor: 1)", low=1)
     chat_template: str | None = flag(None, "a jinja chat template file, instead of the "
                                            "model's (default: the model's, or for tools the "
                                            "shipped Hermes template when it has none)")
@@ -342,7 +352,11 @@ class ServeArgs:
 
     @property
     def torch_threads(self) -> int:
-        return self.threads or (1 if self.uses_cluster else 2)
+        """The embedded engine leaves one core to the front end: a step's OpenMP threads
+        wait on each other many times a step, so one preempted by the gateway, the
+        detokenizer or a local client stalls them all (on 2 cores, 2 threads served 0.55x
+        the tokens/s of 1, docs/results/peers.md)."""
+        return self.threads or (1 if self.uses_cluster else max(1, usable_cores() - 1))
 
     @property
     def kv_cache_bytes(self) -> int:

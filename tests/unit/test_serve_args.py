@@ -11,7 +11,7 @@ import torch
 
 from services.cli import build_parser
 from services.cli.argtypes import cpu_native_bf16
-from services.cli.serve_args import FlagError, ServeArgs, flag_name
+from services.cli.serve_args import FlagError, ServeArgs, flag_name, usable_cores
 from services.deployment.build import EngineOptions
 from services.deployment.ray_cluster import ClusterConfig
 from services.prefill.service import PrefillConfig
@@ -46,7 +46,7 @@ def test_every_field_is_one_flag_with_help():
 def test_no_flags_are_the_defaults():
     args = parse()
     assert args == ServeArgs()
-    assert not args.uses_cluster and args.torch_threads == 2
+    assert not args.uses_cluster and args.torch_threads == max(1, usable_cores() - 1)
     assert args.dtype == "auto" and args.api_key is None
     assert args.torch_dtype is (torch.bfloat16 if cpu_native_bf16() else torch.float32)
     assert args.engine_options() == EngineOptions(prefill=PrefillConfig())
