@@ -186,7 +186,8 @@ $(PEERS)/smollm2-135m-%.gguf: $(PEERS)/src/.unpacked $(SMOLLM)
 
 ## run: serve the embedded default model on http://127.0.0.1:8000/v1 (OpenAI API)
 run: setup
-	$(PY) -m services.cli serve --model $(ZOO)/smollm2-135m --host 127.0.0.1 --port $${PORT:-8000}
+	$(PY) -m services.cli serve --model $(ZOO)/smollm2-135m --host 127.0.0.1 --port $${PORT:-8000} \
+		--compile --engine-process
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -35,7 +35,6 @@ from services.engine.speculative import NgramConfig
 
 def workloads() -> dict[str, list[str]]:
     import json.encoder
-    import posixpath
     import shlex
     import string
     import textwrap
@@ -43,13 +42,13 @@ def workloads() -> dict[str, list[str]]:
     import colorsys
     import base64
 
-    funcs = [textwrap.dedent, shlex.quote, posixpath.join, string.capwords,
+    funcs = [textwrap.dedent, shlex.quote, fnmatch.filter, string.capwords,
              fnmatch.translate, colorsys.rgb_to_hsv, base64.b64encode,
              json.encoder.py_encode_basestring]
     edit = [f"Here is a Python function:\n\n```python\n{inspect.getsource(f)}```\n\nRewrite it "
             f"with the function renamed to `{f.__name__}_v2`. Reply with the code only."
             for f in funcs]
-    docs = [textwrap, shlex, string, fnmatch, colorsys, base64, posixpath, json]
+    docs = [textwrap, shlex, string, fnmatch, colorsys, base64, inspect, json]
     quote = []
     for mod in docs:
         text = " ".join((inspect.getdoc(mod) or "").split())[:700]
@@ -96,9 +95,12 @@ def main() -> None:
     engines = {"plain": LLMEngine(model, EngineConfig(**config), eos_token_ids=eos),
                "ngram": LLMEngine(model, EngineConfig(**config, speculative=spec),
                                   eos_token_ids=eos)}
-    encoded = {name: [tok.apply_chat_template([{"role": "user", "content": p}],
-                                              add_generation_prompt=True, tokenize=True)
-                      for p in ps] for name, ps in workloads().items()}
+    def encode(ask: str) -> list[int]:
+        text = tok.apply_chat_template([{"role": "user", "content": ask}],
+                                       add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    encoded = {name: [encode(p) for p in ps] for name, ps in workloads().items()}
     for e in engines.values():                                   # warm-up
         run(e, encoded["chat"][:1], 1, 8)
     print(f"# n-gram speculative decoding, {MODEL.name} {dtype}, {args.threads} threads, "

@@ -340,12 +340,15 @@ class LLMEngine:
     def _propose(self) -> None:
         """Each running greedy request about to decode drafts its next tokens (n-gram
         lookup), as many as its `max_tokens` and the context leave room for."""
-        for seq in self.scheduler.running:
+        spec = self.config.speculative
+        running = self.scheduler.running
+        busy = spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size
+        for seq in running:
             seq.draft = []
-            if seq.num_uncomputed == 1 and drafts(seq):
+            if not busy and seq.num_uncomputed == 1 and drafts(seq):
                 room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
                            self.max_model_len - seq.num_tokens)
-                seq.draft = propose(seq.tokens, self.config.speculative, room)
+                seq.draft = propose(seq.tokens, spec, room)
 
     def _sampling_rows(self, out: SchedulerOutput) -> SamplingRows:
         """One row per sampling chunk, 1 + k for a speculative step's: its row i reads the

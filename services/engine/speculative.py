@@ -14,7 +14,9 @@ i + 1's for as long as row i's token equals draft token i. The keys and values o
 rejected draft tokens stay in the cache past the sequence's end, where the next step
 overwrites them; blocks taken for them and no longer needed go back at once.
 
-Which requests draft: greedy ones without a grammar. Sampled requests decode one token a
+Which requests draft: greedy ones without a grammar, and none while more requests than
+`disable_by_batch_size` run (a large batch's products cost more per extra row, and a draft
+the model rejects is paid for by every row). Sampled requests decode one token a
 step (rejection sampling for them is not built), as do the Gated DeltaNet hybrids (their
 recurrent state would need rolling back on a rejection) and the Q-First deployment's
 engines (the attention services run decode rows only)."""
@@ -32,8 +34,12 @@ class NgramConfig:
     num_speculative_tokens: int = 4     # k: draft tokens per step at most
     prompt_lookup_max: int = 4          # the longest suffix looked up
     prompt_lookup_min: int = 2          # the shortest
+    disable_by_batch_size: int | None = None   # no drafts while more requests than this run
 
     def __post_init__(self):
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got "
                              f"{self.num_speculative_tokens}")
@@ -44,18 +50,21 @@ class NgramConfig:
     @classmethod
     def from_dict(cls, spec: dict) -> NgramConfig:
         """vLLM's `--speculative-config` form: {"method": "ngram",
-        "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}."""
+        "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m,
+        "disable_by_batch_size": b}."""
         spec = dict(spec)
         method = spec.pop("method", "ngram")
         if method != "ngram":
             raise ValueError(f"speculative method {method!r} is not supported (only "
                              f"'ngram': prompt lookup, no draft model)")
-        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"unknown speculative-config keys {unknown}; known: "
                              f"{sorted(known | {'method'})}")
-        bad = [k for k, v in spec.items() if isinstance(v, bool) or not isinstance(v, int)]
+        bad = [k for k, v in spec.items() if isinstance(v, bool) or not isinstance(v, int)
+               and not (k == "disable_by_batch_size" and v is None)]
         if bad:
             raise ValueError(f"speculative-config {bad} must be integers")
         return cls(**spec)

@@ -121,6 +121,22 @@ def test_drafts_stop_at_max_tokens_and_sampled_requests_decode_one_token(tiny_ch
     assert spec.spec_stats.drafts > 0
 
 
+def test_no_drafts_past_disable_by_batch_size(tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama3")
+    params = GenerationParams(max_tokens=12, ignore_eos=True)
+    p = repetitive(30, 6)
+    one = NgramConfig(4, 3, 1, disable_by_batch_size=1)
+    spec, plain = engines(path, speculative=one)
+    got = spec.generate([p, p], params)                   # two running: no drafts
+    assert spec.spec_stats.drafts == 0
+    assert [g.output_ids for g in got] == [r.output_ids for r in plain.generate([p, p], params)]
+    spec.generate([p], params)                            # one: drafts
+    assert spec.spec_stats.drafts > 0
+    assert NgramConfig.from_dict({"disable_by_batch_size": 4}).disable_by_batch_size == 4
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        NgramConfig(disable_by_batch_size=0)
+
+
 def test_what_cannot_verify_a_draft_is_refused(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_5")                 # Gated DeltaNet layers
     with pytest.raises(ValueError, match="Gated DeltaNet"):
