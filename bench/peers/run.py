@@ -29,6 +29,7 @@ from pathlib import Path
 from bench.common import MODEL, ROOT, tree_rss_mb
 from kernels.native import cpu_flags
 from services.cli.argtypes import resolve_dtype
+from services.cli.serve_args import ServeArgs
 
 PEERS = ROOT / ".peers"
 ENGINES = {   # name -> (python, worker args)
@@ -194,6 +195,11 @@ def offline_twin(server: str) -> str | None:
             + (" --compile" if "--compile" in server else ""))
 
 
+def served_threads() -> int:
+    """The torch threads `splitstack serve` gives the embedded engine here."""
+    return ServeArgs().torch_threads
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     import httpx
     deadline = time.monotonic() + timeout
@@ -258,7 +264,9 @@ def served(args) -> None:
             idle[name] = tree_rss_mb(proc.pid)
         points: dict[str, dict[int, list[dict]]] = {n: {} for n in procs}
         twins = {offline_twin(n) for n in procs} - {None}
-        workers = {t: Worker(t, args.threads) for t in sorted(twins)}
+        # the twins run with the served engine's torch threads (`splitstack serve` leaves
+        # one core to the front end), so the overhead compares like with like
+        workers = {t: Worker(t, served_threads()) for t in sorted(twins)}
         b1 = prompts(1, args.decode_prompt_len, 1)
         for w in workers.values():
             w.generate(b1, 4)                                    # warm-up
@@ -312,7 +320,8 @@ def served(args) -> None:
                   f"{sum(p['failed'] for p in pts)} |")
     if 1 in args.concurrency and step_ms:
         print("serving overhead: served ITL p50 at 1 client minus the same engine's offline "
-              "batch-1 step (median of the rounds), ms")
+              f"batch-1 step at the served {served_threads()} torch thread(s) (median of the "
+              "rounds), ms")
         print("| server | served ITL p50 | offline step | overhead |")
         print("|---|---|---|---|")
         for name in procs:
