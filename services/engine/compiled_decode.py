@@ -251,11 +251,6 @@ class CompiledDecode:
         return (bool(out.decode) and not out.prefill
                 and bucket_for(len(out.decode), self.batch_buckets) in self.compiled)
 
-    @property
-    def ready(self) -> bool:
-        """Every bucket's graph is built."""
-        return self.compiled.issuperset(self.batch_buckets)
-
     def pending(self) -> int:
         """Buckets whose graph is still to be built (0 once a warm-up gave up)."""
         return 0 if self.gave_up else len(set(self.batch_buckets) - self.compiled)

@@ -101,7 +101,3 @@ class SpecStats:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

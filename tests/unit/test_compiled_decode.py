@@ -116,7 +116,7 @@ def test_graphs_built_beside_the_engine_never_touch_its_requests(tiny_checkpoint
     engine = LLMEngine(model, EngineConfig(**base, compile_in_background=True))
     plain = LLMEngine(model, EngineConfig(**{**base, "compile_decode": False}))
     graphs = engine.runner.compiled
-    assert graphs.compiled == set() and not graphs.ready and len(threads) == 1
+    assert graphs.compiled == set() and graphs.pending() == 1 and len(threads) == 1
     params = GenerationParams(max_tokens=10, ignore_eos=True, return_logits=True)
     seq_id = engine.add_request(PROMPTS[0], params)
     for _ in range(4):                                   # the prompt, then eager decode steps
@@ -124,7 +124,7 @@ def test_graphs_built_beside_the_engine_never_touch_its_requests(tiny_checkpoint
     assert 0 in engine.seqs[seq_id].block_table and graphs.used == set()
     go.set()
     threads[0].join(300)
-    assert graphs.ready and graphs.compiled == {1}
+    assert graphs.pending() == 0 and graphs.compiled == {1}
     while engine.has_unfinished():
         engine.step()
     got, ref = engine.pop(seq_id), plain.generate([PROMPTS[0]], params)[0]
