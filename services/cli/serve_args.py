@@ -354,8 +354,8 @@ class ServeArgs:
     def torch_threads(self) -> int:
         """The embedded engine leaves one core to the front end: a step's OpenMP threads
         wait on each other many times a step, so one preempted by the gateway, the
-        detokenizer or a local client stalls them all (on 2 cores, 2 threads served 0.55x
-        the tokens/s of 1, docs/results/peers.md)."""
+        detokenizer or a local client stalls them all (on 2 cores, 2 threads served
+        0.63-0.90x the tokens/s of 1, docs/results/peers.md)."""
         return self.threads or (1 if self.uses_cluster else max(1, usable_cores() - 1))
 
     @property
