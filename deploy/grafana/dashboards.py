@@ -2,12 +2,12 @@
 `deploy/grafana/generate.py` writes them to JSON.
 
 Every query reads series the gateway's /metrics exports (docs/metrics.md): in the Ray
-deployment the per-replica series carry a `service` label (the replica's address), the
+deployment the per-replica series carry a `member` label (the replica's address), the
 gateway's own series do not. Tags say where a dashboard has data: `embedded`, `ray`."""
 from __future__ import annotations
 
-from deploy.grafana.panels import (Panel, dashboard, heatmap_targets, increase, mean,
-                                   quantile, quantile_targets, rate, sel, zero_if_none)
+from deploy.grafana.panels import (Annotation, Panel, dashboard, heatmap_targets, increase,
+                                   mean, quantile, quantile_targets, rate, sel, zero_if_none)
 
 FINISHED = "splitstack_requests_finished_total"
 HTTP = "splitstack_http_requests_total"
@@ -31,6 +31,19 @@ def burn(objective: str, window: str) -> str:
     return (f"{slo('errors:ratio_rate', objective, window)} / "
             f"{slo('error_budget:ratio', objective, '')}")
 TOKS = "suffix: tokens/s"
+# The Ray deployment's events, marked on the Overview's and the Pools' time panels: a pool
+# resized, requests moved off an attention service, members draining. (Each mark is a
+# minute in which the event happened; an embedded deployment has none.)
+EVENTS = (
+    Annotation("Scale events", f"sum by (pool, direction, reason) (increase("
+               f"splitstack_scale_events_total{sel()}[1m])) > 0", "blue",
+               "{{pool}} scaled {{direction}} ({{reason}})", ("pool", "reason")),
+    Annotation("Migrations", f"sum by (reason) (increase(splitstack_migrations_total"
+               f"{sel()}[1m])) > 0", "orange", "{{reason}}: requests moved to another "
+               "attention service", ("reason",)),
+    Annotation("Drains", "sum by (pool) (splitstack_pool_replicas"
+               + sel('state="draining"') + ") > 0", "purple", "{{pool}} members draining", ("pool",)),
+)
 # latency percentiles per deployment: with several selected ("All"), one line each rather
 # than one percentile over all of them
 PER_JOB = ("job",)
@@ -150,7 +163,7 @@ def overview() -> dict:
                   [(f"max(splitstack_kv_cache_usage_ratio{sel()})", "usage")], width=8,
                   max=1),
         ]),
-    ])
+    ], EVENTS)
 
 
 def pools() -> dict:
@@ -158,7 +171,7 @@ def pools() -> dict:
                      "The Ray deployment's pools: members per state, scale events and "
                      "migrations; per attention service KV and queue; per MLP pool replica "
                      "stage latency and batch size; per prefill replica queue and time. "
-                     "`service` in a legend is the replica's address.", ["ray"], [
+                     "`member` in a legend is the replica's address.", ["ray"], [
         ("Replicas", [
             Panel("Replicas per pool and state", "short", "Members of each pool (attention, "
                   "mlp, prefill) by state: pending (waiting for a free resource), starting, "
@@ -176,7 +189,7 @@ def pools() -> dict:
             Panel("Members answering", "short", "1 while a member answers its health or "
                   "stats call, else 0, per attention service, pool and prefill replica.",
                   [('{__name__=~"splitstack_(attention|pool|prefill)_up", ' + sel()[1:],
-                    "{{__name__}} {{service}}")], width=8, max=1),
+                    "{{__name__}} {{member}}")], width=8, max=1),
             Panel("Migrations", "short", "Requests moved to another attention service and "
                   "continued there over the window, by reason: failure (their service "
                   "died) or drain (it was stopped while busy).",
@@ -188,82 +201,82 @@ def pools() -> dict:
         ("Attention services", [
             Panel("KV cache usage per service", "percentunit", "Fraction of KV blocks in use "
                   "on each attention service (its fullest shard).",
-                  [("max by (service) (splitstack_attention_kv_cache_usage_ratio"
-                    + sel() + ")", "{{service}}")], width=8, max=1),
+                  [("max by (member) (splitstack_attention_kv_cache_usage_ratio"
+                    + sel() + ")", "{{member}}")], width=8, max=1),
             Panel("Running and waiting per service", "short", "Requests decoding on each "
                   "attention service, and requests waiting there for KV.",
-                  [("sum by (service) (splitstack_attention_requests_running" + sel() + ")",
-                    "running {{service}}"),
-                   ("sum by (service) (splitstack_attention_requests_waiting" + sel() + ")",
-                    "waiting {{service}}")], width=8),
+                  [("sum by (member) (splitstack_attention_requests_running" + sel() + ")",
+                    "running {{member}}"),
+                   ("sum by (member) (splitstack_attention_requests_waiting" + sel() + ")",
+                    "waiting {{member}}")], width=8),
             Panel("Retries per service", "cps", "Pool calls each attention service made "
                   "again on another pool replica, and prefill calls made again on another "
                   "prefill replica, per second.",
-                  [(rate("splitstack_attention_pool_retries_total", ("service",)),
-                    "pool {{service}}"),
-                   (rate("splitstack_attention_prefill_retries_total", ("service",)),
-                    "prefill {{service}}")], width=8),
+                  [(rate("splitstack_attention_pool_retries_total", ("member",)),
+                    "pool {{member}}"),
+                   (rate("splitstack_attention_prefill_retries_total", ("member",)),
+                    "prefill {{member}}")], width=8),
         ]),
         ("MLP pool replicas", [
             Panel("Stage latency p95 per replica", "s", "95th percentile of one batched "
                   "pool forward's compute time, per replica and kind (stage: a layer's "
                   "feed-forward; final: the head and sampling; score: prompt log-probs).",
-                  [(quantile(0.95, "splitstack_pool_stage_seconds", ("service", "kind")),
-                    "{{service}} {{kind}}")], width=8),
+                  [(quantile(0.95, "splitstack_pool_stage_seconds", ("member", "kind")),
+                    "{{member}} {{kind}}")], width=8),
             Panel("Batch rows per replica", "short", "Rows in one batched pool forward per "
                   "replica: the mean and the 95th percentile.",
-                  [(mean("splitstack_pool_batch_rows", ("service",)), "mean {{service}}"),
-                   (quantile(0.95, "splitstack_pool_batch_rows", ("service",)),
-                    "p95 {{service}}")], width=8),
+                  [(mean("splitstack_pool_batch_rows", ("member",)), "mean {{member}}"),
+                   (quantile(0.95, "splitstack_pool_batch_rows", ("member",)),
+                    "p95 {{member}}")], width=8),
             Panel("Forwards per replica", "ops", "Batched forwards per second per replica "
                   "and kind, and forwards that raised (their callers retried elsewhere).",
-                  [(rate("splitstack_pool_stage_seconds_count", ("service", "kind")),
-                    "{{service}} {{kind}}"),
-                   (rate("splitstack_pool_failed_forwards_total", ("service",)),
-                    "failed {{service}}")], width=8),
+                  [(rate("splitstack_pool_stage_seconds_count", ("member", "kind")),
+                    "{{member}} {{kind}}"),
+                   (rate("splitstack_pool_failed_forwards_total", ("member",)),
+                    "failed {{member}}")], width=8),
         ]),
         ("Prefill replicas", [
             Panel("Prefill calls in flight per replica", "short", "Mean number of prefill "
                   "calls queued or running on each replica over the window (Little's law: "
                   "the rate of the summed call time).",
-                  [(rate("splitstack_prefill_request_seconds_sum", ("service",)),
-                    "{{service}}")], width=8),
+                  [(rate("splitstack_prefill_request_seconds_sum", ("member",)),
+                    "{{member}}")], width=8),
             Panel("Prefill time per replica", "s", "Percentiles of a prefill call's time on "
                   "each replica by mode (exact, ridgefill), from its arrival to its prompt's "
                   "KV being ready (queue and compute), and of streaming that KV to the "
                   "attention service (p95).",
-                  [(quantile(q, "splitstack_prefill_request_seconds", ("service", "mode")),
-                    f"{{{{mode}}}} p{round(q * 100)} {{{{service}}}}") for q in (0.5, 0.95)]
-                  + [(quantile(0.95, "splitstack_prefill_send_seconds", ("service",)),
-                      "send p95 {{service}}")], width=8),
+                  [(quantile(q, "splitstack_prefill_request_seconds", ("member", "mode")),
+                    f"{{{{mode}}}} p{round(q * 100)} {{{{member}}}}") for q in (0.5, 0.95)]
+                  + [(quantile(0.95, "splitstack_prefill_send_seconds", ("member",)),
+                      "send p95 {{member}}")], width=8),
             Panel("Prompt tokens prefilled per replica", TOKS, "Prompt tokens each prefill "
                   "replica prefilled per second.",
-                  [(rate("splitstack_prefill_prompt_tokens_total", ("service",)),
-                    "{{service}}")], width=8),
+                  [(rate("splitstack_prefill_prompt_tokens_total", ("member",)),
+                    "{{member}}")], width=8),
         ]),
-    ])
+    ], EVENTS)
 
 
 def prefix_cache() -> dict:
     cache = "splitstack_prefix_cache_"
-    present = "sum by (service) (" + cache + "memory_bytes" + sel() + ")"
+    present = "sum by (member) (" + cache + "memory_bytes" + sel() + ")"
     return dashboard("splitstack-prefix-cache", "splitstack / Prefix cache",
                      "The Tail-Replay prefix cache (serve --prefix-cache): hits per tier, "
                      "the replay and transfer of a hit, the memory tier and tier errors. In "
-                     "the Ray deployment it runs on the prefill replicas (`service`).",
+                     "the Ray deployment it runs on the prefill replicas (`member`).",
                      ["embedded", "ray"], [
         ("Hits", [
             Panel("Hit ratio per tier", "percentunit", "Share of looked-up prompt tokens "
                   "served from the cache, by the tier their block came from (memory, redis).",
-                  [(rate(cache + "hit_tokens_total", ("service", "tier"))
-                    + " / on (service) group_left "
-                    + rate(cache + "query_tokens_total", ("service",)),
-                    "{{tier}} {{service}}")], max=1),
+                  [(rate(cache + "hit_tokens_total", ("member", "tier"))
+                    + " / on (member) group_left "
+                    + rate(cache + "query_tokens_total", ("member",)),
+                    "{{tier}} {{member}}")], max=1),
             Panel("Looked-up and hit tokens", TOKS, "Prompt tokens looked up, and served "
                   "from each tier, per second.",
-                  [(rate(cache + "query_tokens_total", ("service",)), "looked up {{service}}"),
-                   (rate(cache + "hit_tokens_total", ("service", "tier")),
-                    "hit {{tier}} {{service}}")]),
+                  [(rate(cache + "query_tokens_total", ("member",)), "looked up {{member}}"),
+                   (rate(cache + "hit_tokens_total", ("member", "tier")),
+                    "hit {{tier}} {{member}}")]),
         ]),
         ("Hit cost", [
             Panel("Tail replay time", "s", "Percentiles of the tail replay that rebuilds a "
@@ -275,23 +288,23 @@ def prefix_cache() -> dict:
         ("Storage", [
             Panel("Memory tier", "bytes", "Payload bytes held in the memory tier, and its "
                   "capacity.",
-                  [(present, "used {{service}}"),
-                   ("sum by (service) (" + cache + "memory_capacity_bytes" + sel() + ")",
-                    "capacity {{service}}")], width=8),
+                  [(present, "used {{member}}"),
+                   ("sum by (member) (" + cache + "memory_capacity_bytes" + sel() + ")",
+                    "capacity {{member}}")], width=8),
             Panel("Stored and skipped tokens", TOKS, "Tokens newly stored per tier, and "
                   "tokens not stored in memory for want of room beside pinned blocks, per "
                   "second.",
-                  [(rate(cache + "inserted_tokens_total", ("service", "tier")),
-                    "stored {{tier}} {{service}}"),
-                   (rate(cache + "skipped_tokens_total", ("service",)),
-                    "skipped {{service}}")], width=8),
+                  [(rate(cache + "inserted_tokens_total", ("member", "tier")),
+                    "stored {{tier}} {{member}}"),
+                   (rate(cache + "skipped_tokens_total", ("member",)),
+                    "skipped {{member}}")], width=8),
             Panel("Evictions", "suffix: blocks/s", "Blocks evicted from the memory tier per "
-                  "second.", [(rate(cache + "evictions_total", ("service",)), "{{service}}")],
+                  "second.", [(rate(cache + "evictions_total", ("member",)), "{{member}}")],
                   width=8),
             Panel("Tier errors", "cps", "Tier failures degraded to a miss, per second, by "
                   "tier and kind (unavailable, timeout, corrupt); 0 while there were none.",
-                  [(zero_if_none(rate(cache + "errors_total", ("service", "tier", "kind")),
-                                 present, "kind"), "{{tier}} {{kind}} {{service}}")],
+                  [(zero_if_none(rate(cache + "errors_total", ("member", "tier", "kind")),
+                                 present, "kind"), "{{tier}} {{kind}} {{member}}")],
                   width=24),
         ]),
     ])
@@ -310,12 +323,12 @@ def ridgefill() -> dict:
             Panel("Filled and exact rows", "suffix: rows/s", "RidgeFill prompt rows per "
                   "second: filled (upper layers from the ridge map) and exact (the tail and "
                   "the selected rows, every layer).",
-                  [(rate(filled, ("service",)), "filled {{service}}"),
-                   (rate(exact, ("service",)), "exact {{service}}")], stack=True),
+                  [(rate(filled, ("member",)), "filled {{member}}"),
+                   (rate(exact, ("member",)), "exact {{member}}")], stack=True),
             Panel("Filled share", "percentunit", "Share of RidgeFill prompt rows whose upper "
                   "layers were filled.",
-                  [(f"{rate(filled, ('service',))} / ({rate(filled, ('service',))} + "
-                    f"{rate(exact, ('service',))})", "{{service}}")], max=1),
+                  [(f"{rate(filled, ('member',))} / ({rate(filled, ('member',))} + "
+                    f"{rate(exact, ('member',))})", "{{member}}")], max=1),
         ]),
         ("Prefill time by mode", [
             Panel("Prefill time by mode", "s", "Percentiles of the prefill of RidgeFill "
@@ -329,7 +342,7 @@ def ridgefill() -> dict:
                   + [(quantile(0.95, "splitstack_prefill_request_seconds", ("mode",)),
                       "{{mode}} p95 (prefill replicas)")]),
             Panel("RidgeFill prompts", "reqps", "Prompts prefilled with RidgeFill per "
-                  "second.", [(rate(ridge + "_count", ("service",)), "{{service}}")]),
+                  "second.", [(rate(ridge + "_count", ("member",)), "{{member}}")]),
         ]),
     ])
 

@@ -18,9 +18,13 @@ from grafana_foundation_sdk.models import prometheus as pm
 DATASOURCE = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Every series a dashboard reads carries this selector: `namespace` is the Kubernetes
-# namespace (absent on a local scrape, which `.*` matches), `service` picks the scrape job,
-# one per splitstack deployment (the gateway's /metrics covers all of it).
-SEL = 'namespace=~"$namespace", job=~"$service"'
+# namespace (absent on a local scrape, which `.*` matches), `deployment` picks the scrape
+# job, one per splitstack deployment (the gateway's /metrics covers all of it), `pod` one of
+# its gateway pods and `member` one attention service, pool or prefill replica. A series
+# without the pod or member label (a recording rule's, a gateway's own) matches any choice:
+# picking a member filters the per-member panels and leaves the deployment's as they are.
+SEL = ('namespace=~"$namespace", job=~"$deployment", pod=~"$pod|", '
+       'member=~"$member|"')
 WINDOW = "$__rate_interval"
 QUANTILES = (0.5, 0.95, 0.99)
 
@@ -123,7 +127,8 @@ class Panel:
 
 
 def variables() -> list:
-    """Datasource, namespace and service (the scrape job), each defaulting to all."""
+    """Datasource, namespace, deployment (the scrape job), gateway pod and member, each
+    defaulting to all."""
     def query_var(name: str, label: str, query: str, description: str):
         return (db.QueryVariable(name).label(label).description(description)
                 .datasource(DATASOURCE).query(query)
@@ -138,22 +143,55 @@ def variables() -> list:
         query_var("namespace", "Namespace",
                   "label_values(splitstack_requests_running, namespace)",
                   "Kubernetes namespace of the deployment (none on a local scrape)"),
-        query_var("service", "Service",
+        query_var("deployment", "Deployment",
                   'label_values(splitstack_requests_running{namespace=~"$namespace"}, job)',
                   "The splitstack deployment: the Prometheus job scraping its gateway"),
+        query_var("pod", "Gateway pod",
+                  'label_values(splitstack_requests_running{namespace=~"$namespace", '
+                  'job=~"$deployment"}, pod)',
+                  "One gateway pod of the deployment (none on a local scrape)"),
+        query_var("member", "Member",
+                  'label_values({__name__=~"splitstack_(attention|prefill|pool)_up", '
+                  'namespace=~"$namespace", job=~"$deployment"}, member)',
+                  "One attention service, prefill or MLP pool replica (its address) for "
+                  "the per-member panels; the deployment's own panels ignore it"),
     ]
 
 
+@dataclass(frozen=True)
+class Annotation:
+    """Events drawn on every time panel: a mark wherever `expr` has a sample, titled
+    `title` (a legend format), tagged with the values of `tags`."""
+    name: str
+    expr: str
+    color: str
+    title: str
+    tags: tuple[str, ...] = ()
+
+    def builder(self):
+        return (db.AnnotationQuery().name(self.name).datasource(DATASOURCE).enable(True)
+                .icon_color(self.color).expr(self.expr))
+
+    def fields(self) -> dict:
+        """What Grafana's Prometheus annotations read beyond the SDK's fields."""
+        return {"titleFormat": self.title, "tagKeys": ",".join(self.tags), "step": "1m",
+                "useValueForTime": False}
+
+
 def dashboard(uid: str, title: str, description: str, tags: list[str],
-              rows: list[tuple[str, list[Panel]]]) -> dict:
-    """The dashboard as a JSON-ready dict; panel ids numbered in layout order, and a menu
-    of the other splitstack dashboards that keeps the time range and variables."""
+              rows: list[tuple[str, list[Panel]]],
+              annotations: tuple[Annotation, ...] = ()) -> dict:
+    """The dashboard as a JSON-ready dict; panel ids numbered in layout order, a menu of
+    the other splitstack dashboards that keeps the time range and variables, and
+    `annotations` as event marks."""
     d = (db.Dashboard(title).uid(uid).description(description).tags(["splitstack", *tags])
          .editable().refresh("10s").time("now-30m", "now").timezone("browser")
          .tooltip(dm.DashboardCursorSync.CROSSHAIR).variables(variables())
          .link(db.DashboardLink("splitstack").type(dm.DashboardLinkType.DASHBOARDS)
                .tags(["splitstack"]).icon("external link").as_dropdown(True)
                .include_vars(True).keep_time(True)))
+    for a in annotations:
+        d = d.annotation(a.builder())
     for row_title, panels in rows:
         d = d.with_row(db.Row(row_title))
         for panel in panels:
@@ -167,4 +205,7 @@ def dashboard(uid: str, title: str, description: str, tags: list[str],
         # dashboard schema has no such fields on a variable (and none of these is one)
         for key in ("auto", "auto_count", "auto_min"):
             var.pop(key, None)
+    listed = out.get("annotations", {}).get("list", [])
+    for a in annotations:
+        next(q for q in listed if q.get("name") == a.name).update(a.fields())
     return out

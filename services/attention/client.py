@@ -94,7 +94,7 @@ class AttentionClient(EngineClient):
         self._aborted: set[int] = set()   # ids the gateway aborted: never migrated
         self._ids = itertools.count()
         self._usage = 0.0
-        self._waiting = 0
+        self._waiting = self._running = 0
 
     # ---- routing --------------------------------------------------------------------
     async def _live(self) -> list[Replica[Channel]]:
@@ -281,7 +281,7 @@ class AttentionClient(EngineClient):
         return self._usage
 
     def num_running(self) -> int:
-        return len(self.calls)
+        return self._running
 
     def num_waiting(self) -> int:
         return self._waiting
@@ -297,6 +297,7 @@ class AttentionClient(EngineClient):
         stats = list(polled.values())
         self._usage = max((s.kv_usage for s in stats), default=0.0)
         self._waiting = sum(s.waiting for s in stats)
+        self._running = sum(s.running for s in stats)
         if self.members is not None:
             await self.members.observe({r.address: r.conn.down_since is None
                                         for r in self.set.replicas}, polled)

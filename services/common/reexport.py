@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 
 class ReExported:
-    def __init__(self, label: str | None = "service"):
+    def __init__(self, label: str | None = "member"):
         """`label`: each sample gets this label with its source's name; None re-exports
         the samples unchanged (a single source)."""
         self.label = label

@@ -4,7 +4,7 @@ pool manager changes.
 `MemberMetrics` keeps, per attention service, its up / KV / running / waiting gauges and
 retry counters (from the stats `AttentionClient.refresh` polls), and polls the prefill and
 pool replicas' own stats; what those processes export (prefill and prefix-cache metrics,
-pool stage latency and batch size) is re-exported under their own names with a `service`
+pool stage latency and batch size) is re-exported under their own names with a `member`
 label (`RemoteMetrics`), so dashboards need no second scrape target. `ClusterRouting` is
 what the pool manager changes: the attention services the client routes to, and the peers
 whose metrics are polled.
@@ -26,7 +26,7 @@ STUBS = {"prefill": pb_grpc.PrefillStub, "pool": pb_grpc.MLPPoolStub}
 
 class RemoteMetrics(ReExported):
     """Other services' metrics (their Prometheus text, as polled), each sample labelled
-    with the `service` it came from."""
+    with the `member` it came from (its address)."""
 
 
 class MemberMetrics:
@@ -41,16 +41,16 @@ class MemberMetrics:
         self.set_peers(list(prefill_addresses), list(pool_addresses))
         self.peer_up = {kind: Gauge(f"splitstack_{kind}_up",
                                     f"1 while the {kind} replica answers, else 0",
-                                    ["service"], registry=registry) for kind in STUBS}
+                                    ["member"], registry=registry) for kind in STUBS}
         self.gauges = {
-            name: Gauge(f"splitstack_attention_{name}", doc, ["service"], registry=registry)
+            name: Gauge(f"splitstack_attention_{name}", doc, ["member"], registry=registry)
             for name, doc in (
                 ("up", "1 while the attention service answers, else 0"),
                 ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard"),
                 ("requests_running", "Requests decoding on the attention service"),
                 ("requests_waiting", "Requests waiting for KV on the attention service"))}
         self.retries = {
-            name: PolledCounter(f"splitstack_attention_{name}", doc, ["service"], registry)
+            name: PolledCounter(f"splitstack_attention_{name}", doc, ["member"], registry)
             for name, doc in (
                 ("pool_retries", "Pool calls the attention service retried elsewhere"),
                 ("prefill_retries", "Prefill calls made again on another prefill replica"))}

@@ -59,7 +59,7 @@ class EngineBackend(StepDriver, EngineClient):
         return self.engine.blocks.usage
 
     def num_running(self) -> int:
-        return len(self.streams)
+        return len(self.engine.scheduler.running)     # a list's length: safe to read here
 
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)     # a deque's length: safe to read here

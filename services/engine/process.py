@@ -122,6 +122,10 @@ class EngineProcess(EngineClient):
         return self._load["kv_usage"]
 
     def num_running(self) -> int:
+        return self._load["running"] if self.dead is None else 0
+
+    def open_requests(self) -> int:
+        """Requests submitted here and not yet finished (their streams)."""
         with self._lock:
             return len(self._streams) + len(self._pending)
 
@@ -285,7 +289,7 @@ class _PipeDriver(StepDriver):
             batch, self.batch = self.batch, []
             self.send(("out", batch, {"kv_usage": self.engine.blocks.usage,
                                       "waiting": len(self.engine.scheduler.waiting),
-                                      "running": len(self.streams)}))
+                                      "running": len(self.engine.scheduler.running)}))
 
     def _tell_dead(self, dead: EngineDeadError) -> None:
         try:

@@ -43,7 +43,9 @@ class EngineClient(ABC):
 
     @abstractmethod
     def num_running(self) -> int:
-        """Requests submitted and not yet finished."""
+        """Requests the engine schedules now (vLLM's `num_requests_running`): admitted to
+        its running set, prefilling or decoding; waiting ones are `num_waiting`. What the
+        last `refresh` (or step report) saw, for a backend that polls it."""
 
     def num_waiting(self) -> int:
         """Requests submitted and not yet scheduled (what the last `refresh` saw, for a

@@ -100,6 +100,7 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
     async def metrics():
         await gateway.backend.refresh()
         gateway.metrics.kv_usage.set(gateway.backend.kv_usage())
+        gateway.metrics.running.set(gateway.backend.num_running())
         gateway.metrics.waiting.set(gateway.backend.num_waiting())
         return Response(generate_latest(gateway.metrics.registry),
                         media_type="text/plain; version=0.0.4")

@@ -142,8 +142,7 @@ class Gateway:
         `params.logprobs` the new tokens' log-probs); aborts the request when closed early.
         The text ends before the first stop string to end after `params.min_tokens` tokens
         (after it with `include_stop`); text that may still begin one is held back until it
-        cannot. The request is counted once, under its outcome, and is running from its
-        admission to its last delta."""
+        cannot. The request is counted once, under its outcome."""
         try:
             seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
@@ -153,7 +152,6 @@ class Gateway:
                            code="engine_dead" if isinstance(exc, EngineDeadError)
                            else None) from exc
         self.metrics.prompt_tokens.inc(len(ids))
-        self.metrics.running.inc()
         detok = IncrementalDetokenizer(self.tokenizer, skip_special)
         stop = StopStrings(stops, include_stop)
         count = 0                              # tokens generated
@@ -217,7 +215,6 @@ class Gateway:
             if not finished:           # a stop string, a client gone, or a failed stream
                 self.backend.abort(seq_id)
             self.metrics.finish(outcome)
-            self.metrics.running.dec()
             self.metrics.kv_usage.set(self.backend.kv_usage())
 
     def _observe_first(self, step, ttft: float) -> None:

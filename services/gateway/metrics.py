@@ -120,8 +120,8 @@ class GatewayMetrics:
                                          "Generated tokens", registry=r)
         self.kv_usage = Gauge("splitstack_kv_cache_usage_ratio",
                               "Fraction of KV blocks in use (0-1)", registry=r)
-        self.running = Gauge("splitstack_requests_running", "Requests in the engine",
-                             registry=r)
+        self.running = Gauge("splitstack_requests_running", "Requests the engines schedule "
+                             "now (prefilling or decoding)", registry=r)
         self.waiting = Gauge("splitstack_requests_waiting", "Requests in the engines' "
                              "queues, not yet scheduled", registry=r)
 

@@ -334,11 +334,23 @@ def test_install_notes_name_the_gateway_service(value_set):
     assert f"rollout status deploy/{service} " in notes
 
 
-def test_the_servicemonitor_keeps_the_members_service_label():
-    """The gateway re-exports each member's series with a `service` label; without
-    honorLabels Prometheus renames it `exported_service` and the per-replica panels merge."""
+# the labels the Prometheus operator puts on every target of a ServiceMonitor or PodMonitor
+OPERATOR_TARGET_LABELS = {"job", "instance", "namespace", "service", "pod", "container",
+                          "endpoint"}
+
+
+def test_the_servicemonitor_needs_no_honor_labels():
+    """No exported label collides with a target label the operator adds, so none is
+    renamed `exported_*` and the scrape takes the operator's labels as they are (the members'
+    series carry `member`, not `service`). docs/metrics.md lists every exported label and is
+    checked against live servers (tests/e2e/test_prometheus.py)."""
     (endpoint,) = find(render("values.yaml"), "ServiceMonitor")["spec"]["endpoints"]
-    assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
+    assert "honorLabels" not in endpoint and endpoint["path"] == "/metrics"
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    labels = {label for row in re.findall(r"^\|\s*`splitstack_\w+`\s*\|[^|]*\|([^|]*)\|", doc, re.M)
+              for label in re.findall(r"`(\w+)`", row)}
+    assert "member" in labels and "route" in labels
+    assert labels & OPERATOR_TARGET_LABELS == set()
     crd_validator("ServiceMonitor").validate(find(render("values.yaml"), "ServiceMonitor"))
 
 

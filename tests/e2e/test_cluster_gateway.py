@@ -87,14 +87,14 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     metrics = httpx.get(base + "/metrics").text
     assert "splitstack_kv_cache_usage_ratio" in metrics
     for address in handles.attention_addresses:          # one series per attention service
-        assert f'splitstack_attention_up{{service="{address}"}} 1.0' in metrics
-        assert f'splitstack_attention_requests_running{{service="{address}"}} 0.0' in metrics
+        assert f'splitstack_attention_up{{member="{address}"}} 1.0' in metrics
+        assert f'splitstack_attention_requests_running{{member="{address}"}} 0.0' in metrics
     for address in handles.pool_addresses:     # each pool's own metrics, re-exported
-        assert f'splitstack_pool_up{{service="{address}"}} 1.0' in metrics
+        assert f'splitstack_pool_up{{member="{address}"}} 1.0' in metrics
         stages = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="stage",'
-                           rf'service="{re.escape(address)}"\}} (\S+)$', metrics, re.M)
+                           rf'member="{re.escape(address)}"\}} (\S+)$', metrics, re.M)
         assert stages and float(stages.group(1)) > 0
-        assert f'splitstack_pool_batch_rows_bucket{{le="1.0",service="{address}"}}' in metrics
+        assert f'splitstack_pool_batch_rows_bucket{{le="1.0",member="{address}"}}' in metrics
 
 
 def test_logprobs_travel_from_the_attention_service(cluster, ray_session):

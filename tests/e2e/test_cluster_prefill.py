@@ -112,7 +112,7 @@ def test_prefilled_remotely_answers_as_the_exact_engine(deployment, server, ray_
     # cache-aware routing: every prompt went where its prefix already was (memory tier)
     assert metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="memory") == want_hits
     for address in cluster.prefill_addresses:      # both replicas report, each under its name
-        assert f'splitstack_prefill_up{{service="{address}"}} 1.0' in text
+        assert f'splitstack_prefill_up{{member="{address}"}} 1.0' in text
     assert metric(text, "splitstack_prefix_cache_query_tokens_total") == sum(map(len, ids))
     assert metric(text, "splitstack_prefill_request_seconds_count") == len(ids)
     assert metric(text, "splitstack_prefill_prompt_tokens_total") == sum(map(len, ids))
@@ -162,7 +162,7 @@ def test_killed_prefill_replica_is_retried_and_its_prefixes_found_in_redis(
     assert got == [complete(plain, p, 6) for p in prompts]
     text = scrape(base)
     # down, or already replaced (its series gone): never up
-    assert f'splitstack_prefill_up{{service="{dead_address}"}} 1.0' not in text
+    assert f'splitstack_prefill_up{{member="{dead_address}"}} 1.0' not in text
     assert metric(text, "splitstack_attention_prefill_retries_total") >= 1
     # the survivor served the document's prefix from a cache tier: Redis, where the dead
     # replica wrote it (or its own memory, when the earlier tests prefilled it there too)

@@ -33,7 +33,8 @@ from services.gateway.ratelimit import RateLimits
 from services.prefill.service import PrefillConfig
 from tests.helpers.gateway import MODEL, ZOO, running
 from tests.helpers.prometheus import (PROMETHEUS_DIR, PanelQuery, dashboards, empty_panels,
-                                      panel_queries, running_prometheus, variable_values)
+                                      panel_queries, running_prometheus, substitute,
+                                      variable_values)
 
 pytestmark = pytest.mark.slow
 
@@ -228,6 +229,12 @@ def test_every_dashboard_panel_returns_data(prometheus):
     assert empty_panels(prom, queries, variables) == []
     numbers = [q for q in queries if NEEDS_A_MIGRATION not in q.expr]
     assert empty_panels(prom, numbers, variables, numbers=True) == []
+    # the event annotations are valid PromQL over these series (marks only when an event
+    # happened: this load scales nothing, so they may be empty)
+    for name, d in dashboards().items():
+        for a in d.get("annotations", {}).get("list", []):
+            if a.get("expr"):
+                prom.query(substitute(a["expr"], variables[name]))
 
 
 def test_a_misspelt_metric_fails_the_panel_check(prometheus):

@@ -41,7 +41,7 @@ def test_local_pool_metrics_reach_the_gateway(tiny_checkpoint):
         backend.shutdown()
         server.stop(0)
         loop.shutdown()
-    label = f'service="{address}"'
+    label = f'member="{address}"'
     stage = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="stage",{label}\}} (\S+)$',
                       text, re.M)
     final = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="final",{label}\}} (\S+)$',

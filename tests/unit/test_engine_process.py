@@ -76,7 +76,7 @@ def test_concurrent_requests_stream_from_one_process(engine):
     results, ids = asyncio.run(run())
     assert len(set(ids)) == 4
     assert all(len(outs) == 6 and outs[-1].finished for outs in results)
-    assert proc.num_running() == 0
+    assert proc.open_requests() == 0 and proc.num_running() == 0
 
 
 def test_a_refused_request_raises_in_the_caller_and_holds_nothing(engine):
@@ -89,7 +89,7 @@ def test_a_refused_request_raises_in_the_caller_and_holds_nothing(engine):
 
     refused = asyncio.run(run())
     assert refused.field == "prompt" and "at least one token" in str(refused)
-    assert proc.num_running() == 0 and proc.healthy()
+    assert proc.open_requests() == 0 and proc.healthy()
 
 
 def test_abort_frees_the_kv_and_finishes_the_stream(engine):
@@ -98,16 +98,16 @@ def test_abort_frees_the_kv_and_finishes_the_stream(engine):
     async def run():
         seq_id, queue = await proc.submit(PROMPT * 4, greedy(400))
         first = await asyncio.wait_for(queue.get(), 60)
-        busy = proc.kv_usage()
+        busy, running = proc.kv_usage(), proc.num_running()
         proc.abort(seq_id)
         outs = [first] + await drain(queue)
         await asyncio.sleep(0.2)       # a step boundary: the load reported after the abort
-        return busy, outs
+        return busy, running, outs
 
-    busy, outs = asyncio.run(run())
-    assert busy > 0
+    busy, running, outs = asyncio.run(run())
+    assert busy > 0 and running == 1           # scheduled: vLLM's num_requests_running
     assert outs[-1].finish_reason == "abort" and len(outs) < 400
-    assert proc.num_running() == 0
+    assert proc.open_requests() == 0
     deadline = time.monotonic() + 10
     while proc.kv_usage() != 0.0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -186,6 +186,6 @@ def test_fail_stop_when_the_child_is_killed():
     try:
         outs = asyncio.run(run())
         assert outs[-1].finish_reason == "error" and "code -9" in outs[-1].error
-        assert proc.dead_since() is not None and proc.num_running() == 0
+        assert proc.dead_since() is not None and proc.open_requests() == 0
     finally:
         proc.close()

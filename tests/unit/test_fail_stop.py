@@ -157,3 +157,28 @@ def test_the_suite_has_a_per_test_timeout(pytestconfig):
     """pytest-timeout is configured (pyproject), so a hung test fails instead of CI."""
     assert pytestconfig.pluginmanager.hasplugin("timeout")
     assert 0 < float(pytestconfig.getini("timeout")) <= 900
+
+
+def test_embedded_backend_reports_scheduled_and_waiting_requests(engine):
+    """`num_running` is what the scheduler runs (vLLM's `num_requests_running`), not what
+    was submitted: past `max_num_seqs` (4) the rest wait."""
+    backend = EngineBackend(engine)
+
+    async def run():
+        subs = [await backend.submit(p, LONG) for p in prompts(6)]
+        for _, q in subs[:4]:
+            await asyncio.wait_for(q.get(), 60)
+        loaded = backend.num_running(), backend.num_waiting()
+        for seq_id, _ in subs:
+            backend.abort(seq_id)
+        for _, q in subs:
+            while not (await asyncio.wait_for(q.get(), 60)).finished:
+                pass
+        return loaded
+
+    try:
+        assert asyncio.run(run()) == (4, 2)
+        assert (backend.num_running(), backend.num_waiting()) == (0, 0)
+        assert engine.blocks.num_free == engine.blocks.num_blocks
+    finally:
+        backend.close()
