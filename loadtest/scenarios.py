@@ -53,6 +53,7 @@ class RequestSpec:
     kind: str                # the scenario that made it (a `mix` draw names its own kind)
     path: str                # "/v1/completions" or "/v1/chat/completions"
     body: dict = field(hash=False)   # without "model" and "stream": the runner adds them
+    prompt_len: int = 0      # prompt tokens as the dataset counted them (0: not counted)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,15 @@ class ScenarioConfig:
 
     def output_tokens(self, kind: str) -> int:
         return self.max_tokens or OUTPUT_TOKENS[kind]
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def requests(self, count_tokens: CountTokens, point: int = 0,
+                 log: Callable[[str], None] = lambda s: None) -> list[RequestSpec]:
+        """The built-in dataset's interface (`loadtest.datasets.DatasetConfig.requests`)."""
+        return build_requests(self, count_tokens, point)
 
 
 def sentences(rng: random.Random):
