@@ -93,7 +93,8 @@ def overview() -> dict:
                   "within a bound (the Objectives row).",
                   [(quantile(0.95, "splitstack_time_to_first_token_seconds", PER_JOB,
                              window="5m"), "{{job}}")], kind="stat", width=6, height=4),
-            Panel("Running", "short", "Requests in the engines now.",
+            Panel("Running", "short", "Requests the engines schedule now (prefilling or "
+                  "decoding).",
                   [(f"sum(splitstack_requests_running{sel()})", "running")], kind="stat",
                   width=6, height=4),
         ]),
@@ -154,14 +155,29 @@ def overview() -> dict:
                   "per second.",
                   [(rate("splitstack_prompt_tokens_total"), "prompt"),
                    (rate("splitstack_generation_tokens_total"), "generation")], width=8),
-            Panel("Running and waiting", "short", "Requests in the engines (running) and "
-                  "in their queues, not yet scheduled (waiting).",
+            Panel("Running and waiting", "short", "Requests the engines schedule (running: "
+                  "prefilling or decoding) and requests in their queues, not yet scheduled "
+                  "(waiting).",
                   [(f"sum(splitstack_requests_running{sel()})", "running"),
                    (f"sum(splitstack_requests_waiting{sel()})", "waiting")], width=8),
             Panel("KV cache usage", "percentunit", "Fraction of KV blocks in use (in the "
                   "Ray deployment: the fullest attention service).",
                   [(f"max(splitstack_kv_cache_usage_ratio{sel()})", "usage")], width=8,
                   max=1),
+        ]),
+        ("Engine", [
+            Panel("Preemptions", "ops", "Sequences preempted per second: their KV freed for "
+                  "older ones and computed again later (KV too small for the load).",
+                  [(rate("splitstack_num_preemptions_total"), "preemptions/s")], width=8),
+            Panel("Tokens per step", "short", "Tokens an engine step computes (decode rows "
+                  "and prefill chunk rows): mean and p95.",
+                  [(mean("splitstack_iteration_tokens"), "mean"),
+                   (quantile(0.95, "splitstack_iteration_tokens"), "p95")], width=8),
+            Panel("Request lengths", "short", "Prompt and generated tokens per request "
+                  "(p50, p95), observed when a request ends.",
+                  [(quantile(q, f"splitstack_request_{kind}_tokens"),
+                    f"{kind} p{round(q * 100)}") for kind in ("prompt", "generation")
+                   for q in (0.5, 0.95)], width=8),
         ]),
     ], EVENTS)
 

@@ -60,7 +60,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
     def __init__(self, loop: StepLoop, name: str, transport: str,
                  prefill: PrefillClient | None = None, registry=None):
         self.loop, self.name, self.transport, self.prefill = loop, name, transport, prefill
-        self.registry = registry      # this process's own metrics (the in-process pool's)
+        self.registry = registry      # this process's metrics: its engine's, an in-process pool's
 
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)

@@ -251,10 +251,15 @@ class ServeArgs:
     autoscale_cooldown: float = flag(30.0, "seconds a pool waits after a change before the "
                                            "autoscaler changes it again", low=0.0,
                                      group="scaling")
-    slo_ttft_ms: float | None = flag(None, "TTFT p95 target: over it, the autoscaler adds a "
-                                           "prefill replica", low=1.0, group="scaling")
-    slo_itl_ms: float | None = flag(None, "inter-token latency p95 target: over it, the "
-                                          "autoscaler adds an attention service or MLP replica",
+    slo_ttft_ms: float | None = flag(None, "TTFT objective: 95%% of first tokens within it "
+                                           "(default 2000); exported for the alert rules and "
+                                           "dashboards, and with --autoscale the p95 over "
+                                           "which a prefill replica is added", low=1.0,
+                                     group="scaling")
+    slo_itl_ms: float | None = flag(None, "inter-token latency objective: 95%% of token gaps "
+                                          "within it (default 200); exported as --slo-ttft-ms "
+                                          "is, and with --autoscale the p95 over which an "
+                                          "attention service or MLP replica is added",
                                     low=1.0, group="scaling")
 
     def __post_init__(self):
@@ -286,10 +291,6 @@ class ServeArgs:
                                                    parse_autoscale)
 
         if self.autoscale is None:
-            if self.slo_ttft_ms is not None or self.slo_itl_ms is not None:
-                raise FlagError("--slo-ttft-ms", self.slo_ttft_ms,
-                                "--slo-ttft-ms and --slo-itl-ms are autoscaler targets: give "
-                                "--autoscale too")
             return None
         if not self.uses_cluster:
             raise FlagError("--autoscale", self.autoscale, "--autoscale resizes the Ray "
@@ -409,10 +410,14 @@ class ServeArgs:
 
     def gateway_options(self) -> dict:
         """What the gateway reads of the flags: the chat template, the tool-call and
-        reasoning formats, and where /v1/responses keeps responses."""
+        reasoning formats, where /v1/responses keeps responses, and the objectives it
+        exports."""
+        from services.gateway.metrics import objectives_for
         from services.gateway.responses import ResponseStore
 
-        return {"chat_template": Path(self.chat_template).read_text()
+        ms = (lambda v: None if v is None else v / 1e3)
+        return {"objectives": objectives_for(ms(self.slo_ttft_ms), ms(self.slo_itl_ms)),
+                "chat_template": Path(self.chat_template).read_text()
                 if self.chat_template else None, "tool_call_parser": self.tool_call_parser,
                 "reasoning_parser": self.reasoning_parser,
                 "responses": ResponseStore(self.responses_redis_url, self.responses_ttl)}

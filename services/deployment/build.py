@@ -11,6 +11,7 @@ from pathlib import Path
 from models.model import CausalLM
 from services.common.tokenizer import eos_token_ids, has_tokenizer, load_tokenizer
 from services.engine.engine import EngineConfig, LLMEngine
+from services.engine.metrics import EngineCollector
 from services.engine.speculative import NgramConfig
 from services.engine.structured import Grammars, StructuredMetrics
 from services.prefill.lexicon import Lexicon
@@ -71,8 +72,8 @@ def grammars_for(model_dir: str | Path, vocab_size: int, registry=None) -> Gramm
 
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry, structured: bool = True) -> tuple[LLMEngine, PrefillService | None]:
-    """-> (engine, its RidgeFill prefill service or None). The prefill and prefix-cache
-    metrics go into `registry`; `model` is already quantized as `options.quantization` says
+    """-> (engine, its RidgeFill prefill service or None). The engine's, the prefill and
+    the prefix-cache metrics go into `registry`; `model` is already quantized as `options.quantization` says
     (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
     model's fingerprint and dtype, so replicas of one checkpoint share Redis entries and
     other checkpoints never see them. `structured`: the engine takes structured-output
@@ -98,5 +99,6 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
                        prefix_cache=cache, replay_ratio=options.replay_ratio,
                        grammars=grammars)
+    registry.register(EngineCollector(engine))
     return engine, service
 

@@ -67,7 +67,7 @@ class MemberMetrics:
                 self.gauges[name].labels(address).set(value)
             self.retries["pool_retries"].set((address,), st.pool_retries)
             self.retries["prefill_retries"].set((address,), st.prefill_retries)
-        for address in services:            # an in-process pool's metrics (--transport local)
+        for address in services:       # each one's own metrics: its engine's, a local pool's
             st = polled.get(address)
             if st is not None and st.metrics:
                 self.remote.latest[address] = st.metrics

@@ -264,9 +264,12 @@ class AttentionReplica:
         c = config
         drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
         device = "cuda" if c.use_gpu else "cpu"
+        from prometheus_client import CollectorRegistry
+
+        from services.engine.metrics import EngineCollector
+
         if c.transport == "local":   # the pool lives in this process: one model, both sides
             import torch
-            from prometheus_client import CollectorRegistry
 
             from models import load_model
             from services.mlp_pool.metrics import MeteredPool, PoolMetrics
@@ -281,7 +284,7 @@ class AttentionReplica:
             service = None if prefill_addresses else \
                 build_prefill_service(model, c.model, c.prefill, registry)   # RidgeFill here
         else:
-            registry = service = None
+            registry, service = CollectorRegistry(), None
             model = _load(c.model, c.dtype, "attention", c.threads, device, c.quantization)
             replicas = list(pool_addresses)
         cfg = model.config
@@ -298,6 +301,7 @@ class AttentionReplica:
                                     max_num_seqs=c.max_num_seqs, prefill_service=service,
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)],
                                     grammars=grammars_for(c.model, cfg.vocab_size))
+        registry.register(EngineCollector(self.engine))
         prefill = None
         if prefill_addresses:
             from services.prefill.client import PrefillClient

@@ -16,7 +16,7 @@ from services.engine.backend import EngineBackend
 from services.engine.process import EngineProcess
 from services.gateway.limits import HttpLimits
 from services.gateway.ratelimit import RateLimits
-from services.gateway.metrics import GatewayMetrics, export_pool_limits, objectives_for
+from services.gateway.metrics import GatewayMetrics, Objectives, export_pool_limits
 
 
 def build_embedded(model_dir: str | Path, served_name: str | None = None,
@@ -25,7 +25,7 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    rate_limits: RateLimits | None = None, threads: int | None = None,
                    engine_process: bool = False, chat_template: str | None = None,
                    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                   responses=None, **engine_options):
+                   responses=None, objectives: Objectives = Objectives(), **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
@@ -33,7 +33,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     the model's fingerprint and dtype, and requests may set their own `replay_ratio`.
     `limits`, `rate_limits`: the gateway's (`build_app`); the engine's `max_num_seqs` are
     its running slots; `chat_template`, `tool_call_parser`, `reasoning_parser`: the
-    gateway's (`Gateway`); `responses`: the `/v1/responses` store (`build_app`).
+    gateway's (`Gateway`); `responses`: the `/v1/responses` store (`build_app`);
+    `objectives`: the ones /metrics exports (--slo-ttft-ms, --slo-itl-ms).
     `engine_process`: the engine steps in a child process
     (`EngineProcess`) instead of on a thread of this one (`EngineBackend`); `threads`: its
     torch threads (None: as this process has them)."""
@@ -50,7 +51,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
         max_model_len = engine.max_model_len
     gateway = Gateway(backend, load_tokenizer(model_dir),
                       served_name or model_dir.name, max_model_len,
-                      default_temperature(model_dir), metrics=GatewayMetrics(registry),
+                      default_temperature(model_dir),
+                      metrics=GatewayMetrics(registry, objectives),
                       chat_template=chat_template, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser)
     return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs,
@@ -76,25 +78,7 @@ def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
                   "compiling; their steps run eagerly meanwhile)", ["state"], registry=registry)
     state.labels("built").set_function(lambda: len(graphs.compiled) if graphs else 0)
     state.labels("pending").set_function(lambda: graphs.pending() if graphs else 0)
-    registry.register(SpecDecodeCollector(engine.spec_stats))
     return engine, registry
-
-
-class SpecDecodeCollector:
-    """vLLM's speculative-decoding counters, read from the engine's `SpecStats`."""
-
-    def __init__(self, stats):
-        self.stats = stats
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        s = self.stats
-        for name, doc, value in (
-                ("drafts", "Speculative steps: a request's draft verified", s.drafts),
-                ("draft_tokens", "Draft tokens proposed (n-gram lookup)", s.draft_tokens),
-                ("accepted_tokens", "Draft tokens accepted", s.accepted_tokens)):
-            yield CounterMetricFamily(f"splitstack_spec_decode_num_{name}", doc, value=value)
 
 
 def build_cluster(config, address: str | None = None, served_name: str | None = None,
@@ -102,7 +86,8 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                   limits: HttpLimits | None = None, rate_limits: RateLimits | None = None,
                   max_replicas: int = 8, drain_timeout_s: float = 30.0, autoscaler=None,
                   chat_template: str | None = None, tool_call_parser: str | None = None,
-                  reasoning_parser: str | None = None, responses=None):
+                  reasoning_parser: str | None = None, responses=None,
+                  objectives: Objectives = Objectives()):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
@@ -123,10 +108,9 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
             raise ValueError(f"--autoscale: the {pool} pool cannot be resized: {fixed[pool]}")
     init_ray(address, num_cpus=num_cpus)
     cluster = deploy(config)
-    policy = autoscaler.policy if autoscaler is not None else None
-    # the autoscaler's targets are the objectives the gateway exports to the alert rules
-    metrics = GatewayMetrics(objectives=objectives_for(policy and policy.slo_ttft_s,
-                                                       policy and policy.slo_itl_s))
+    # the objectives the gateway exports to the alert rules and dashboards are the ones
+    # the autoscaler targets (both from --slo-ttft-ms and --slo-itl-ms)
+    metrics = GatewayMetrics(objectives=objectives)
     backend, routing = cluster_client(cluster.attention_addresses, metrics.registry,
                                       config.security, cluster.prefill_addresses,
                                       cluster.pool_addresses)

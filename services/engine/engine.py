@@ -35,6 +35,7 @@ from services.common.messages import (GenerationParams, PrefillRequest, PromptEx
 from services.engine import structured
 from services.engine.block_manager import BlockManager, SlotPool
 from services.engine.kv_cache import CacheStorage
+from services.engine.metrics import StepStats
 from services.engine.prefix import PrefixReuse
 from services.engine.runner import (CacheLayout, ModelRunner, Runner, RunnerFactory, Sampled,
                                     SamplingRows)
@@ -126,6 +127,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self.spec_stats = SpecStats()
+        self.stats = StepStats()                     # services.engine.metrics exports both
         if config.speculative is not None and (runner is not None or cfg.is_hybrid):
             raise ValueError("speculative decoding runs in the monolithic engine of a "
                              "full-attention model (the embedded deployment): Gated DeltaNet "
@@ -308,8 +310,10 @@ class LLMEngine:
         if self.config.speculative is not None:
             self._propose()
         out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
         if out.empty:
             return failed
+        self.stats.iteration_tokens.observe(sum(c.length for c in out.chunks))
         now = time.monotonic()
         for c in out.prefill:
             if c.seq.scheduled_s is None:

@@ -55,6 +55,7 @@ class Gateway:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics or GatewayMetrics()
+        self.metrics.describe(model_name, max_model_len)
 
     # ---- request -> engine ----------------------------------------------------------
     def check_model(self, name: str) -> None:
@@ -205,6 +206,8 @@ class Gateway:
                         self.metrics.e2e.observe(now - arrival)
                         if first is not None:
                             self.metrics.decode_time.observe(now - first)
+                            if count > 1:
+                                self.metrics.tpot.observe((now - first) / (count - 1))
                         break
                 if text or reason:
                     yield Delta(text, reason, count, entries, prompt)
@@ -214,7 +217,7 @@ class Gateway:
         finally:
             if not finished:           # a stop string, a client gone, or a failed stream
                 self.backend.abort(seq_id)
-            self.metrics.finish(outcome)
+            self.metrics.finish(outcome, len(ids), count)
             self.metrics.kv_usage.set(self.backend.kv_usage())
 
     def _observe_first(self, step, ttft: float) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -26,6 +26,8 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.0
                40.0, 80.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
                    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0, 7680.0)
+# tokens in a prompt or an answer: 1, 2, 5, 10, ... 1M (vLLM's 1-2-5 series)
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5)) + (1_000_000,)
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
@@ -91,6 +93,19 @@ class GatewayMetrics:
                                     TTFT_BUCKETS)
         self.decode_time = seconds("request_decode_time", "Time from a request's first token "
                                                           "to its last", REQUEST_BUCKETS)
+        self.tpot = seconds("request_time_per_output_token", "A finished request's mean time "
+                            "per output token after its first (decode time / (tokens - 1))",
+                            ITL_BUCKETS)
+        self.prompt_lengths = Histogram("splitstack_request_prompt_tokens", "Prompt tokens "
+                                        "of each finished request", registry=r,
+                                        buckets=TOKEN_BUCKETS)
+        self.generation_lengths = Histogram("splitstack_request_generation_tokens", "Tokens "
+                                            "each finished request generated", registry=r,
+                                            buckets=TOKEN_BUCKETS)
+        self.info = Gauge("splitstack_model_info", "The model the gateway serves and the "
+                          "splitstack version (the value is 1)",
+                          ["model", "version", "max_model_len"], registry=r)
+        ProcessCollector(registry=r)        # process_cpu_seconds_total, ..._memory_bytes, ...
         objective = Gauge("splitstack_slo_objective_seconds", "Latency objective: the bucket "
                           "boundary (le) a request or token must be within", ["slo", "le"],
                           registry=r)
@@ -125,10 +140,26 @@ class GatewayMetrics:
         self.waiting = Gauge("splitstack_requests_waiting", "Requests in the engines' "
                              "queues, not yet scheduled", registry=r)
 
-    def finish(self, outcome: str) -> None:
-        """Count one request under its outcome (a finish reason)."""
+    def finish(self, outcome: str, prompt_tokens: int, generated: int) -> None:
+        """Count one request under its outcome (a finish reason), with its lengths."""
         self.requests.labels(outcome).inc()
         self.finished.labels(outcome).inc()
+        self.prompt_lengths.observe(prompt_tokens)
+        self.generation_lengths.observe(generated)
+
+    def describe(self, model: str, max_model_len: int) -> None:
+        """`splitstack_model_info`: the served model and this build."""
+        self.info.labels(model, version(), str(max_model_len)).set(1)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("splitstack")
+    except PackageNotFoundError:           # run from a checkout that was never installed
+        return "unknown"
 
 
 class PolledCounter:

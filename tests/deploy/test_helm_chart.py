@@ -171,6 +171,23 @@ def test_rendered_commands_parse_as_splitstack_and_ray_flags(value_set, monkeypa
                 assert parsed.command == "import-gguf" and parsed.out == settings.model, name
 
 
+def test_the_objectives_are_set_once_in_values():
+    """`monitoring.slo` reaches the gateway as --slo-ttft-ms / --slo-itl-ms: the objectives
+    its /metrics exports to the rules and dashboards, and the autoscaler's targets."""
+    from services.cli import build_parser
+    from services.cli.serve_args import ServeArgs
+
+    for sets, ttft, itl in (((), 2.0, 0.2),
+                            (("monitoring.slo.ttftMs=800", "monitoring.slo.itlMs=50"),
+                             0.8, 0.05)):
+        _, serve = gateway_command(render("values-autoscale.yaml", *sets))
+        settings = ServeArgs.from_cli(build_parser().parse_args(serve[1:]))
+        objectives = settings.gateway_options()["objectives"]
+        assert (objectives.ttft_s, objectives.itl_s) == pytest.approx((ttft, itl))
+        policy = settings.autoscaler().policy
+        assert (policy.slo_ttft_s, policy.slo_itl_s) == pytest.approx((ttft, itl))
+
+
 def test_the_scale_hook_runs_splitstack_scale_for_each_resizable_pool():
     from services.cli import build_parser
 

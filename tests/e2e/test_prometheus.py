@@ -162,7 +162,7 @@ def prometheus(embedded, on_ray, tmp_path_factory):
 
 
 # ---- docs/metrics.md against /metrics ------------------------------------------------
-DOC_ROW = re.compile(r"^\|\s*`(splitstack_\w+)`\s*\|\s*(\w+)\s*\|([^|]*)\|"
+DOC_ROW = re.compile(r"^\|\s*`((?:splitstack|process)_\w+)`\s*\|\s*(\w+)\s*\|([^|]*)\|"
                      r"\s*(both|embedded|Ray)\s*\|", re.M)     # series, type, labels, where
 
 

@@ -102,7 +102,7 @@ def test_healthy_first_tokens_through_the_gateways_buckets_fire_no_alert(tmp_pat
     for ttft in [0.4] * 80 + [1.1] * 20:
         metrics.ttft.observe(ttft)
         metrics.http_requests.labels("/v1/completions", "200").inc()
-        metrics.finish("stop")
+        metrics.finish("stop", prompt_tokens=12, generated=21)
         for _ in range(20):
             metrics.itl.observe(0.03)
     minutes = 180

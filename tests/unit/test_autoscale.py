@@ -35,10 +35,18 @@ def test_serve_flags_check_the_autoscaler():
     assert scaler.policy.interval_s == 5.0
     for kwargs, says in (({"autoscale": "mlp=1:3"}, "Ray deployment"),
                          ({"disaggregated": True, "autoscale": "mlp=1:9"}, "--max-replicas"),
-                         ({"disaggregated": True, "autoscale": "mlp=2"}, "POOL=MIN:MAX"),
-                         ({"slo_ttft_ms": 100.0}, "give --autoscale")):
+                         ({"disaggregated": True, "autoscale": "mlp=2"}, "POOL=MIN:MAX")):
         with pytest.raises(FlagError, match=says):
             ServeArgs(**kwargs)
+
+
+def test_the_objectives_are_the_slo_flags_with_or_without_the_autoscaler():
+    """One setting: the objectives the gateway exports (the rules and dashboards read them)
+    are the autoscaler's targets; without --autoscale they are still exported."""
+    objectives = ServeArgs(slo_ttft_ms=500.0).gateway_options()["objectives"]
+    assert (objectives.ttft_s, objectives.itl_s) == (0.5, 0.2)      # ITL: the default
+    a = ServeArgs(disaggregated=True, autoscale="prefill=1:3", slo_ttft_ms=750.0)
+    assert a.gateway_options()["objectives"].ttft_s == a.autoscaler().policy.slo_ttft_s == 0.75
 
 
 def window(pool, *members, seconds=10.0, **kw):

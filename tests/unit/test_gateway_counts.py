@@ -95,3 +95,30 @@ def test_a_failed_request_counts_as_error_only(tokenizer):
         asyncio.run(run())
     assert counts(gateway) == {"error": 1}
     assert gateway.backend.aborted == []               # the engine had already let it go
+
+
+def test_lengths_tpot_and_model_info(tokenizer):
+    """vLLM's per-request histograms: a request's prompt and generated tokens when it ends,
+    its mean time per output token when it finished with 2 tokens or more."""
+    gateway, params = served(tokenizer, PlaybackEngine([]))
+    prompt = [1, 2, 3, 4, 5]
+
+    async def run():
+        return [d async for d in gateway.generate(prompt, params, [], 0.0)]
+
+    assert asyncio.run(run())[-1].reason == "length"
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for family in gateway.metrics.registry.collect() for s in family.samples}
+    n = params.max_tokens
+    assert n > 1
+    assert got[("splitstack_request_prompt_tokens_sum", ())] == len(prompt)
+    assert got[("splitstack_request_generation_tokens_sum", ())] == n
+    assert got[("splitstack_request_generation_tokens_count", ())] == 1
+    assert got[("splitstack_request_time_per_output_token_seconds_count", ())] == 1
+    decode = got[("splitstack_request_decode_time_seconds_sum", ())]
+    tpot = got[("splitstack_request_time_per_output_token_seconds_sum", ())]
+    assert abs(tpot - decode / (n - 1)) < 1e-9
+    info = [labels for (name, labels), v in got.items() if name == "splitstack_model_info"]
+    assert len(info) == 1 and dict(info[0])["model"] == "m" \
+        and dict(info[0])["max_model_len"] == "4096" and dict(info[0])["version"]
+    assert got[("process_cpu_seconds_total", ())] > 0

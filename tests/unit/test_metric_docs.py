@@ -12,6 +12,7 @@ from services.deployment.members import cluster_client
 from services.gateway.metrics import GatewayMetrics
 from services.mlp_pool.metrics import CALL_BUCKETS, ROW_BUCKETS, STAGE_BUCKETS
 from services.prefill.metrics import PREFILL_BUCKETS
+from services.engine.metrics import ITERATION_TOKEN_BUCKETS
 from services.engine.structured import COMPILE_BUCKETS, MASK_BUCKETS
 from services.prefix_cache.metrics import REPLAY_BUCKETS
 
@@ -47,6 +48,7 @@ def in_code() -> dict[str, list[float]]:
         out[name] = sorted(map(float, REPLAY_BUCKETS))
     out["splitstack_grammar_compile_seconds"] = sorted(map(float, COMPILE_BUCKETS))
     out["splitstack_grammar_mask_seconds"] = sorted(map(float, MASK_BUCKETS))
+    out["splitstack_iteration_tokens"] = sorted(map(float, ITERATION_TOKEN_BUCKETS))
     return out
 
 

@@ -380,6 +380,9 @@ the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the en
 {{- if $v.serve.rateLimitRpm }}{{ $a = concat $a (list "--rate-limit-rpm" (toString (int $v.serve.rateLimitRpm))) }}{{ end }}
 {{- if $v.serve.rateLimitTpm }}{{ $a = concat $a (list "--rate-limit-tpm" (toString (int $v.serve.rateLimitTpm))) }}{{ end }}
 {{- if $v.grpcTokenSecret }}{{ $a = concat $a (list "--grpc-token-file" "/etc/splitstack/grpc/token") }}{{ end }}
+{{- with $v.monitoring.slo }}
+{{- $a = concat $a (list "--slo-ttft-ms" (toString (int .ttftMs)) "--slo-itl-ms" (toString (int .itlMs))) }}
+{{- end }}
 {{- if $v.autoscaling.enabled }}
 {{- $bounds := list }}
 {{- range $name := list "attention" "mlp" "prefill" }}
