@@ -1,7 +1,7 @@
 """`splitstack loadtest` (or `python -m loadtest`): a bounded load against an OpenAI-compatible
 server, with a report. Writes DIR/result.json (`vllm bench serve`'s field names, per sweep
-point), DIR/report.md and PNG plots beside them; with --prometheus, the deployment's own
-dashboard panels over the run as PNGs too.
+point), DIR/requests.jsonl (every request), DIR/report.md and PNG plots beside them; with
+--prometheus, the deployment's own dashboard panels over the run as PNGs too.
 
 Exit status: 0 when the run finished, 1 when some point completed no request, 2 for bad
 arguments or a server that cannot be reached or refuses the first request."""
@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from loadtest.client import LoadTestError
+from loadtest.datasets import DATASETS, ENDPOINTS, DatasetConfig
 from loadtest.scenarios import SCENARIOS, ScenarioConfig
+from loadtest.stats import parse_goodput
 
 
 def number_list(kind):
@@ -41,6 +43,16 @@ def positive(kind):
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
     return parse
+
+
+def at_least_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected int, got {text!r}")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return value
 
 
 def share(text: str) -> float:
@@ -78,17 +90,54 @@ def build_parser(prog: str = "splitstack loadtest") -> argparse.ArgumentParser:
     ap.add_argument("--model", help="model name (default: the server's first in /v1/models)")
     ap.add_argument("--api-key", default=os.environ.get("SPLITSTACK_API_KEY"),
                     help="sent as a Bearer token (default: $SPLITSTACK_API_KEY)")
-    ap.add_argument("--scenario", choices=SCENARIOS, default="chat",
-                    help="the workload (default: %(default)s); see loadtest/README.md")
+    ap.add_argument("--dataset-name", choices=DATASETS, default="builtin",
+                    help="the prompts: the built-in scenarios (--scenario) or vLLM's random, "
+                         "sharegpt or sonnet datasets (default: %(default)s)")
+    ap.add_argument("--scenario", choices=SCENARIOS,
+                    help="the built-in dataset's workload (default: chat); see "
+                         "loadtest/README.md")
+    ap.add_argument("--dataset-path", type=Path,
+                    help="sharegpt: a JSON or JSONL file of conversations; sonnet: a text "
+                         "(default: the Apache License 2.0 in loadtest/data)")
+    ap.add_argument("--endpoint", choices=ENDPOINTS, default=ENDPOINTS[0],
+                    help="the route of the random, sharegpt and sonnet datasets' requests "
+                         "(default: %(default)s)")
+    ap.add_argument("--random-input-len", type=positive(int), default=1024,
+                    help="random: prompt tokens (default: %(default)s)")
+    ap.add_argument("--random-output-len", type=positive(int), default=128,
+                    help="random: output tokens (default: %(default)s)")
+    ap.add_argument("--random-range-ratio", type=share, default=0.0,
+                    help="random: lengths drawn from [L*(1-r), L*(1+r)] (default: 0)")
+    ap.add_argument("--sharegpt-output-len", type=positive(int),
+                    help="sharegpt: every output length (default: each reply's length)")
+    ap.add_argument("--sonnet-input-len", type=positive(int), default=550,
+                    help="sonnet: prompt tokens at most (default: %(default)s)")
+    ap.add_argument("--sonnet-output-len", type=positive(int), default=150,
+                    help="sonnet: output tokens (default: %(default)s)")
+    ap.add_argument("--sonnet-prefix-len", type=positive(int), default=200,
+                    help="sonnet: tokens of lines every prompt shares (default: %(default)s)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="random, sharegpt, sonnet: generate every output length's tokens")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=number_list(int),
                       help="closed loop: comma-separated client counts, one sweep point each "
                            "(default: 1)")
     load.add_argument("--rate", type=number_list(float),
-                      help="open loop: comma-separated Poisson arrival rates in requests/s, "
-                           "one sweep point each")
-    ap.add_argument("--num-requests", type=positive(int), default=32,
-                    help="requests per sweep point at most (default: %(default)s)")
+                      help="open loop: comma-separated arrival rates in requests/s, one sweep "
+                           "point each")
+    ap.add_argument("--burstiness", type=positive(float), default=1.0,
+                    help="open loop: gamma arrivals' shape; 1 is Poisson, lower is burstier "
+                         "(default: %(default)s)")
+    ap.add_argument("--max-concurrency", type=positive(int),
+                    help="open loop: requests in flight at most")
+    ap.add_argument("--num-requests", type=positive(int), default=200,
+                    help="requests per sweep point at most; p99 needs at least 100 "
+                         "(default: %(default)s)")
+    ap.add_argument("--num-warmups", type=at_least_zero, default=0,
+                    help="unmeasured requests before each sweep point (default: 0)")
+    ap.add_argument("--goodput", nargs="+", metavar="KEY:MS", default=[],
+                    help="SLOs of a good request, e.g. ttft:500,tpot:50,e2el:5000: reports "
+                         "request_goodput")
     ap.add_argument("--max-seconds", type=positive(float), default=300.0,
                     help="seconds per sweep point at most: then sending stops and requests "
                          "in flight are cancelled (default: %(default)s)")
@@ -96,7 +145,8 @@ def build_parser(prog: str = "splitstack loadtest") -> argparse.ArgumentParser:
                     help="output directory (default: %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="prompts and arrivals (default: 0)")
     ap.add_argument("--max-tokens", type=positive(int),
-                    help="output tokens per request (default: the scenario's)")
+                    help="built-in dataset: output tokens per request (default: the "
+                         "scenario's)")
     ap.add_argument("--reuse-ratio", type=share, default=0.75,
                     help="shared-prefix: the shared share of each prompt (default: %(default)s)")
     ap.add_argument("--prefix-prompt-tokens", type=positive(int), default=1024,
@@ -136,27 +186,48 @@ def _run(args: argparse.Namespace, prog: str) -> int:
     from loadtest.report import machine, write_report
     from loadtest.runner import RunConfig, run_sweep
 
+    load = workload(args)
     if args.prometheus:
         check_prometheus(args.prometheus)
     run_cfg = RunConfig(url=args.url, model=args.model, api_key=args.api_key,
                         concurrency=args.concurrency or (() if args.rate else (1,)),
-                        rates=args.rate or (), max_seconds=args.max_seconds,
+                        rates=args.rate or (), burstiness=args.burstiness,
+                        max_concurrency=args.max_concurrency, max_seconds=args.max_seconds,
+                        num_warmups=args.num_warmups, goodput=parse_goodput(args.goodput),
                         request_timeout=args.request_timeout, progress=not args.no_progress)
-    scenario = ScenarioConfig(name=args.scenario, num_requests=args.num_requests,
-                              seed=args.seed, max_tokens=args.max_tokens,
-                              reuse_ratio=args.reuse_ratio,
-                              prefix_prompt_tokens=args.prefix_prompt_tokens,
-                              num_prefixes=args.num_prefixes, extra_body=args.extra_body)
-    result = run_sweep(run_cfg, scenario)
+    result = run_sweep(run_cfg, load)
     result["command"] = shlex.join([*prog.split(), *args.argv])
     if args.api_key:
         result["command"] = result["command"].replace(args.api_key, "***")
     result["machine"] = machine()
     files = write_report(args.out, result, args.prometheus, dict(args.prom_var),
                          args.prom_rate_interval, args.dashboards)
-    print(f"wrote {args.out / files['result']}, {args.out / files['report']} and "
-          f"{len(files['plots']) + len(files['panels'])} plots", file=sys.stderr)
+    print(f"wrote {args.out / files['result']}, {args.out / files['requests']}, "
+          f"{args.out / files['report']} and {len(files['plots']) + len(files['panels'])} "
+          "plots", file=sys.stderr)
     return 1 if any(p["completed"] == 0 for p in result["points"]) else 0
+
+
+def workload(args: argparse.Namespace) -> ScenarioConfig | DatasetConfig:
+    if args.dataset_name == "builtin":
+        return ScenarioConfig(name=args.scenario or "chat", num_requests=args.num_requests,
+                              seed=args.seed, max_tokens=args.max_tokens,
+                              reuse_ratio=args.reuse_ratio,
+                              prefix_prompt_tokens=args.prefix_prompt_tokens,
+                              num_prefixes=args.num_prefixes, extra_body=args.extra_body)
+    if args.scenario or args.max_tokens:
+        raise ValueError(f"--scenario and --max-tokens are the built-in dataset's; "
+                         f"--dataset-name {args.dataset_name} has its own prompts and "
+                         f"--{args.dataset_name}-output-len")
+    return DatasetConfig(
+        name=args.dataset_name, num_requests=args.num_requests, seed=args.seed,
+        path=args.dataset_path, endpoint=args.endpoint,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio,
+        sharegpt_output_len=args.sharegpt_output_len, sonnet_input_len=args.sonnet_input_len,
+        sonnet_output_len=args.sonnet_output_len,
+        sonnet_prefix_len=args.sonnet_prefix_len, ignore_eos=args.ignore_eos,
+        extra_body=args.extra_body)
 
 
 def check_prometheus(url: str) -> None:

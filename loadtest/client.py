@@ -1,7 +1,8 @@
 """One streamed request, timed from its server-sent events the way `vllm bench serve`
 times them: TTFT is the arrival of the first chunk with generated content, each later
 chunk adds an inter-token latency (ITL), E2EL ends at `[DONE]`, and the token counts come
-from the usage chunk (`stream_options.include_usage`)."""
+from the usage chunk (`stream_options.include_usage`). A request cancelled at the time
+bound keeps what it saw, its times censored at the cancel (`RequestResult.censor`)."""
 from __future__ import annotations
 
 import json
@@ -17,18 +18,39 @@ class LoadTestError(Exception):
     """The run cannot start: the server is unreachable, or refuses the first request."""
 
 
+CANCELLED = "cancelled at --max-seconds"
+
+
 @dataclass
 class RequestResult:
     kind: str
-    start: float                       # time.perf_counter() at send
+    start: float = 0.0                 # time.perf_counter() at send
     success: bool = False
+    cancelled: bool = False            # cut off at the time bound; times censored
     error: str = ""
     ttft: float = 0.0                  # seconds
     latency: float = 0.0               # seconds, E2EL
     itl: list[float] = field(default_factory=list)   # seconds between chunks
-    prompt_len: int = 0                # usage.prompt_tokens
+    prompt_len: int = 0                # usage.prompt_tokens (else the spec's count)
     output_tokens: int = 0             # usage.completion_tokens (chunks when absent)
     chunk_times: list[float] = field(default_factory=list)  # perf_counter of each chunk
+
+    @property
+    def status(self) -> str:
+        return "completed" if self.success else "cancelled" if self.cancelled else "failed"
+
+    def censor(self, now: float) -> None:
+        """Cut off at `now` (perf_counter) before its end: E2EL becomes the time until the
+        cancel, and so does TTFT when no token came; the open gap since the last chunk
+        joins the ITLs. Each is a lower bound of what the request would have taken, so
+        that counting it keeps the tail from looking shorter than it was."""
+        self.cancelled, self.success, self.error = True, False, CANCELLED
+        self.latency = now - self.start
+        if not self.chunk_times:
+            self.ttft = self.latency
+        else:
+            self.itl.append(now - self.chunk_times[-1])
+        self.output_tokens = len(self.chunk_times)
 
 
 def headers_for(api_key: str | None) -> dict:
@@ -84,12 +106,15 @@ async def _read(client: httpx.AsyncClient, spec: RequestSpec, body: dict, header
 
 
 async def send(client: httpx.AsyncClient, spec: RequestSpec, model: str,
-               headers: dict) -> RequestResult:
-    """One request, streamed; never raises for what the server or the network does (the
-    result's `error` says it)."""
+               headers: dict, out: RequestResult | None = None) -> RequestResult:
+    """One request, streamed, into `out` (a new result when None); never raises for what
+    the server or the network does (the result's `error` says it). `out.start` is set
+    before the first await, so a caller that cancels the task can `censor` `out`."""
     body = {**spec.body, "model": model, "stream": True,
             "stream_options": {"include_usage": True}}
-    out = RequestResult(spec.kind, time.perf_counter())
+    out = out or RequestResult(spec.kind)
+    out.prompt_len = spec.prompt_len         # the usage chunk's count replaces it
+    out.start = time.perf_counter()
     try:
         done = await _read(client, spec, body, headers, out)
     except (httpx.HTTPError, ValueError) as exc:    # ValueError: an event that is not JSON

@@ -15,20 +15,21 @@ plt.rcParams.update({"font.size": 11, "axes.grid": True, "grid.alpha": 0.3,
 
 
 def point_label(p: dict) -> str:
-    if p["max_concurrency"] is not None:
+    if p["request_rate"] == "inf":
         return f"concurrency {p['max_concurrency']}"
-    return f"{p['request_rate']:g} req/s"
+    cap = f", ≤{p['max_concurrency']} in flight" if p["max_concurrency"] else ""
+    return f"{p['request_rate']:g} req/s{cap}"
 
 
 def sweep_axis(result: dict) -> tuple[list[float], str]:
     points = result["points"]
     if result["mode"] == "concurrency":
         return [p["max_concurrency"] for p in points], "concurrency (clients)"
-    return [p["request_rate"] for p in points], "offered load (requests/s, Poisson)"
+    return [p["request_rate"] for p in points], "offered load (requests/s)"
 
 
 def title(result: dict, what: str) -> str:
-    return f"{what} — {result['scenario']} scenario, {result['model_id']}"
+    return f"{what} — {result['workload']}, {result['model_id']}"
 
 
 def cdf(path: Path, result: dict, samples: list[list[float]], what: str, xlabel: str,
@@ -107,13 +108,15 @@ def _sweep_ticks(ax, x: list[float], result: dict) -> None:
 
 
 def write_plots(out: Path, result: dict) -> list[str]:
-    """The four plots into `out`; their file names."""
+    """The four plots into `out`; their file names. The CDFs count what the percentiles
+    count: completed requests and the cancelled ones' censored times, not failures."""
     pts = result["points"]
-    cdf(out / "ttft_cdf.png", result, [[t for t, err in zip(p["ttfts"], p["errors"]) if not err]
-                                       for p in pts], "TTFT distribution",
-        "time to first token (ms)", "share of requests with TTFT ≤ x")
+    cdf(out / "ttft_cdf.png", result,
+        [[t for t, s in zip(p["ttfts"], p["statuses"]) if s != "failed"] for p in pts],
+        "TTFT distribution", "time to first token (ms)", "share of requests with TTFT ≤ x")
     cdf(out / "itl_cdf.png", result,
-        [[x for itl, err in zip(p["itls"], p["errors"]) if not err for x in itl] for p in pts],
+        [[x for itl, s in zip(p["itls"], p["statuses"]) if s != "failed" for x in itl]
+         for p in pts],
         "Inter-token latency distribution", "inter-token latency (ms)",
         "share of gaps ≤ x")
     throughput(out / "throughput.png", result)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "deploy" / "grafana"
 
@@ -178,6 +179,32 @@ def render(path: Path, title: str, panels: list[Panel], subtitle: str,
     plt.close(fig)
 
 
+def series_summaries(panels: list[Panel], points: list[tuple[float, float, str]],
+                     origin: float) -> list[dict]:
+    """Per series of every panel: min / mean / max / last over the run, and mean / max
+    over each sweep point ((start, end, label), Unix seconds; series times in seconds
+    from `origin`), for result.json."""
+    first, last = min(p[0] for p in points) - origin, max(p[1] for p in points) - origin
+    out = []
+    for panel in panels:
+        for name, xs, ys in panel.series:
+            t, v = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+            run = (t >= first) & (t <= last) & ~np.isnan(v)
+            if not run.any():
+                continue
+            per_point = []
+            for start, end, label in points:
+                inside = (t >= start - origin) & (t <= end - origin) & ~np.isnan(v)
+                per_point.append({"point": label,
+                                  "mean": float(v[inside].mean()) if inside.any() else None,
+                                  "max": float(v[inside].max()) if inside.any() else None})
+            out.append({"panel": panel.title, "series": name, "unit": panel.unit,
+                        "min": float(v[run].min()), "mean": float(v[run].mean()),
+                        "max": float(v[run].max()), "last": float(v[run][-1]),
+                        "per_point": per_point})
+    return out
+
+
 def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "dashboard"
 
@@ -186,8 +213,8 @@ def prometheus_panels(out: Path, prometheus: str, points: list[tuple[float, floa
                       variables: dict[str, str], rate_interval: str,
                       directory: Path = DASHBOARDS) -> list[dict]:
     """One PNG per dashboard in `out`, over the sweep's points ((start, end, label), Unix
-    seconds) and `pad` seconds either side; per dashboard its file and the panels that
-    returned no data or an error."""
+    seconds) and `pad` seconds either side; per dashboard its file, the panels that
+    returned no data or an error, and each series' summary (`series_summaries`)."""
     pad = 10.0
     start, end = min(p[0] for p in points), max(p[1] for p in points)
     marks = [(p[0] - start, p[2]) for p in points]
@@ -201,5 +228,6 @@ def prometheus_panels(out: Path, prometheus: str, points: list[tuple[float, floa
                "dotted lines: each sweep point's start", marks, (-pad, end - start + pad))
         written.append({"dashboard": title, "file": name, "panels": len(panels),
                         "empty": [p.title for p in panels if not p.series and not p.errors],
-                        "errors": [e for p in panels for e in p.errors]})
+                        "errors": [e for p in panels for e in p.errors],
+                        "series": series_summaries(panels, points, start)})
     return written

@@ -1,5 +1,6 @@
 """The run's outputs in one directory: `result.json` (the settings and, per sweep point,
-`vllm bench serve`'s fields), `report.md` (the table and the plots) and the PNGs."""
+`vllm bench serve`'s fields), `requests.jsonl` (one record per request sent),
+`report.md` (the table and the plots) and the PNGs."""
 from __future__ import annotations
 
 import json
@@ -10,9 +11,10 @@ from pathlib import Path
 from loadtest.plots import point_label, write_plots
 
 LOADS = {"concurrency": "closed loop, one point per concurrency",
-         "rate": "open loop, Poisson arrivals, one point per rate"}
+         "rate": "open loop, one point per rate"}
 COLUMNS = (("completed", "completed", "d"), ("failed", "failed", "d"),
            ("cancelled", "cancelled", "d"), ("req/s", "request_throughput", ".2f"),
+           ("goodput req/s", "request_goodput", ".2f"),
            ("output tok/s", "output_throughput", ".1f"),
            ("TTFT median / p99 (ms)", ("median_ttft_ms", "p99_ttft_ms"), ".0f"),
            ("TPOT median / p99 (ms)", ("median_tpot_ms", "p99_tpot_ms"), ".1f"),
@@ -39,12 +41,29 @@ def cell(p: dict, key, fmt: str) -> str:
 
 
 def table(result: dict) -> list[str]:
-    head = ["point"] + [c[0] for c in COLUMNS]
+    columns = [c for c in COLUMNS if c[1] != "request_goodput" or result.get("goodput")]
+    head = ["point"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in result["points"]:
-        lines.append("| " + " | ".join([point_label(p)] + [cell(p, k, f) for _, k, f in COLUMNS])
+        lines.append("| " + " | ".join([point_label(p)] + [cell(p, k, f) for _, k, f in columns])
                      + " |")
     return lines
+
+
+def load_line(r: dict) -> str:
+    p = r["points"][0]
+    line = f"- load: {LOADS[r['mode']]}"
+    if r["mode"] == "rate":
+        line += (", Poisson arrivals" if p["burstiness"] == 1.0
+                 else f", gamma arrivals (burstiness {p['burstiness']:g})")
+        if p["max_concurrency"]:
+            line += f", at most {p['max_concurrency']} in flight"
+    line += f"; each point at most {p['num_prompts']} requests and {r['max_seconds']:g} s"
+    if r.get("num_warmups"):
+        line += f", after {r['num_warmups']} warm-up requests"
+    if r.get("goodput"):
+        line += "; goodput SLOs " + ", ".join(f"{k} ≤ {v:g} ms" for k, v in r["goodput"].items())
+    return line
 
 
 def markdown(result: dict, plots: list[str], panels: list[dict]) -> str:
@@ -52,17 +71,18 @@ def markdown(result: dict, plots: list[str], panels: list[dict]) -> str:
     settings = [f"- command: `{r.get('command', 'splitstack loadtest')}`",
                 f"- server: {r['base_url']}, model `{r['model_id']}` "
                 f"(context {r['max_model_len']})",
-                f"- scenario: `{r['scenario']}`, seed {r['seed']}"
+                f"- workload: `{r['workload']}`, seed {r['seed']}"
                 + (f", reuse ratio {r['reuse_ratio']}" if r.get("reuse_ratio") is not None else "")
                 + (f", extra body `{json.dumps(r['extra_body'])}`" if r["extra_body"] else ""),
-                f"- load: {LOADS[r['mode']]}; each point at most "
-                f"{r['points'][0]['num_prompts']} requests and {r['max_seconds']:g} s",
+                load_line(r),
                 f"- client machine: {r.get('machine') or machine()}; date {r['date']} UTC"]
-    lines = [f"# Load test: {r['scenario']} against {r['model_id']}", "", *settings, "",
+    lines = [f"# Load test: {r['workload']} against {r['model_id']}", "",
+             *settings, "",
              "TTFT: time to first token; TPOT: time per output token after the first; ITL: "
              "time between streamed chunks; E2EL: end-to-end latency. Field names and "
-             "definitions follow `vllm bench serve`; the numbers of every point are in "
-             "`result.json`.", "", *table(r), ""]
+             "definitions follow `vllm bench serve`; requests cancelled at the time bound "
+             "count with their times cut at the cancel. The numbers of every point are in "
+             "`result.json`, every request in `requests.jsonl`.", "", *table(r), ""]
     errors = sorted({e for p in r["points"] for e in p["errors"] if e})
     if errors:
         lines += ["Errors (distinct):", "", *[f"- `{e[:200]}`" for e in errors[:10]], ""]
@@ -86,8 +106,10 @@ def markdown(result: dict, plots: list[str], panels: list[dict]) -> str:
 def write_report(out: Path, result: dict, prometheus: str | None = None,
                  prom_vars: dict[str, str] | None = None, rate_interval: str = "1m",
                  dashboards: Path | None = None) -> dict:
-    """Writes everything into `out`; returns the file names written."""
+    """Writes everything into `out`; returns the file names written. The points'
+    per-request records ("requests") move from `result` to `requests.jsonl`."""
     out.mkdir(parents=True, exist_ok=True)
+    write_requests(out / "requests.jsonl", result)
     plots = write_plots(out, result)
     panels = []
     if prometheus:
@@ -100,5 +122,14 @@ def write_report(out: Path, result: dict, prometheus: str | None = None,
                                 "dashboards": panels}
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "report.md").write_text(markdown(result, plots, panels))
-    return {"result": "result.json", "report": "report.md", "plots": plots,
-            "panels": [d["file"] for d in panels]}
+    return {"result": "result.json", "requests": "requests.jsonl", "report": "report.md",
+            "plots": plots, "panels": [d["file"] for d in panels]}
+
+
+def write_requests(path: Path, result: dict) -> None:
+    """One JSON line per request of every point, with the point's index and label."""
+    with path.open("w") as f:
+        for i, p in enumerate(result["points"]):
+            for record in p.pop("requests", []):
+                f.write(json.dumps({"point": i, "point_label": point_label(p), **record}) + "\n")
+            p["requests_file"] = path.name

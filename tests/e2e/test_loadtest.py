@@ -1,7 +1,9 @@
 """`splitstack loadtest` and the Locust file against a live embedded SmolLM2 server on
 loopback (the e2e `server` fixture): bounded runs write result.json with `vllm bench
 serve`'s fields and sane values, report.md and valid PNG plots; Poisson arrivals; the
-time bound cancels what is in flight and the server frees it; with a real Prometheus
+time bound cancels what is in flight, counts it with censored times, and the server frees
+it; the README's ShareGPT example (gamma arrivals, a concurrency cap, warm-ups, goodput,
+per-request records and the server's counters); with a real Prometheus
 scraping the server, the report draws every dashboard's panels over the run (a misspelt
 metric shows as a panel without data, a broken query as an error); a short headless
 Locust run records streamed requests and their TTFT."""
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import shlex
 import shutil
 import socket
 import subprocess
@@ -91,7 +94,46 @@ def test_time_bound_cancels_requests_in_flight(server, tmp_path):
     point = json.loads((out / "result.json").read_text())["points"][0]
     assert code == 1 and point["completed"] == 0 and point["failed"] == 0
     assert point["cancelled"] == 2          # the two in flight; the other four never sent
+    assert point["not_sent"] == 4 and point["statuses"] == ["cancelled"] * 2
+    # counted, censored at the cancel: sent at the start, cut off at the 2 s bound
+    assert all(1.0 < e <= 3.0 for e in point["e2els"]) and point["p99_e2el_ms"] > 1000
     wait_idle(gateway)                      # the server saw the hang-ups and aborted them
+
+
+def readme_example(marker: str) -> list[str]:
+    """The arguments of loadtest/README.md's example command that contains `marker`."""
+    text = (ROOT / "loadtest" / "README.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in text.splitlines() if marker in ln)
+    argv = shlex.split(line)
+    assert argv[:2] == [".venv/bin/splitstack", "loadtest"], argv
+    return argv[2:]
+
+
+def test_readme_sharegpt_example(server, tmp_path):
+    base, gateway = server
+    out = tmp_path / "sharegpt"
+    argv = readme_example("--dataset-name sharegpt")
+    assert "--goodput" in argv and "--num-warmups" in argv and "--burstiness" in argv
+    # the example, smaller: later flags override earlier ones
+    code = run([*argv, "--url", base, "--num-requests", "6", "--num-warmups", "2",
+                "--sharegpt-output-len", "8", "--max-seconds", "120", "--out", str(out),
+                "--no-progress"])
+    assert code == 0
+    result = check_outputs(out, 6)
+    point = result["points"][0]
+    assert result["dataset_name"] == "sharegpt" and point["num_warmups"] == 2
+    assert point["max_concurrency"] == 8 and point["burstiness"] == 0.5
+    assert point["request_goodput"] is not None and point["goodput_slos_ms"] == \
+        {"ttft": 500.0, "tpot": 100.0}
+    # the server's own count of the point: its 6 requests' prompts, not the warm-ups'
+    counters = point["server_counters"]
+    assert counters["splitstack_prompt_tokens_total"] == point["total_input_tokens"]
+    records = [json.loads(ln) for ln in (out / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and all(r["status"] == "completed" for r in records)
+    assert all(r["chunk_s"][0] == r["ttft_s"] <= r["chunk_s"][-1] <= r["e2el_s"]
+               for r in records)
+    assert [r["prompt_len"] for r in records] == point["input_lens"]
+    wait_idle(gateway)
 
 
 def test_locust_headless_run(server, tmp_path):
