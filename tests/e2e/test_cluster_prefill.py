@@ -145,14 +145,14 @@ def test_killed_prefill_replica_is_retried_and_its_prefixes_found_in_redis(
     base, cluster = deployment
     plain, _ = server
     text = scrape(base)
-    held = [metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="memory", service=a)
+    held = [metric(text, "splitstack_prefix_cache_hit_tokens_total", tier="memory", member=a)
             for a in cluster.prefill_addresses]
     dead = held.index(max(held))
     dead_address, survivor = cluster.prefill_addresses[dead], cluster.prefills[1 - dead]
     ray_session.kill(cluster.prefills[dead])
     survivor_address = cluster.prefill_addresses[1 - dead]
     found_before = metric(text, "splitstack_prefix_cache_hit_tokens_total",
-                          service=survivor_address)
+                          member=survivor_address)
     question = DOCUMENT + "Question: where does the green owl sleep?\nAnswer:"
     prompts = [question] + [f"Write the number {n} in words:" for n in (17, 240, 3)]
     # at once, before the pool manager takes the dead replica out: ties between the two
@@ -167,7 +167,7 @@ def test_killed_prefill_replica_is_retried_and_its_prefixes_found_in_redis(
     # the survivor served the document's prefix from a cache tier: Redis, where the dead
     # replica wrote it (or its own memory, when the earlier tests prefilled it there too)
     assert metric(text, "splitstack_prefix_cache_hit_tokens_total",
-                  service=survivor_address) > found_before + 300
+                  member=survivor_address) > found_before + 300
     deadline = time.monotonic() + 60
     while True:
         pools = httpx.get(base + "/admin/pools", timeout=30).json()["data"]
