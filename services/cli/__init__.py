@@ -219,8 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("pool", choices=("attention", "mlp", "prefill"))
     scale.add_argument("replicas", type=bounded(0), help="the pool's member count")
     scale.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway")
-    scale.add_argument("--api-key", default=os.environ.get("SPLITSTACK_API_KEY"),
-                       help="the gateway's API key (default: $SPLITSTACK_API_KEY)")
+    scale.add_argument("--api-key", default=os.environ.get("SPLITSTACK_ADMIN_API_KEY")
+                       or os.environ.get("SPLITSTACK_API_KEY"),
+                       help="the gateway's admin key (default: $SPLITSTACK_ADMIN_API_KEY, else "
+                            "$SPLITSTACK_API_KEY)")
     scale.add_argument("--wait", action="store_true",
                        help="return once the pool has that many ready members")
     scale.add_argument("--timeout", type=float, default=300.0, help="--wait's limit, seconds")

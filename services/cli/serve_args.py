@@ -87,6 +87,11 @@ class ServeArgs:
     api_key: str | None = flag(None, "clients of /v1/ must send 'Authorization: Bearer KEY' "
                                      "(default: $SPLITSTACK_API_KEY; unset: no key)",
                                env="SPLITSTACK_API_KEY")
+    admin_api_key: str | None = flag(None, "callers of /admin/ (pool sizes) must send "
+                                           "'Authorization: Bearer KEY'; the --api-key does "
+                                           "not open them (default: "
+                                           "$SPLITSTACK_ADMIN_API_KEY; unset: the --api-key)",
+                                     env="SPLITSTACK_ADMIN_API_KEY")
     dtype: str = flag("auto", "weights, activations and KV cache of the model; auto: "
                               "bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX), else "
                               "float32 (also with --gpu)", choices=("auto", *sorted(DTYPES)))
@@ -410,13 +415,14 @@ class ServeArgs:
 
     def gateway_options(self) -> dict:
         """What the gateway reads of the flags: the chat template, the tool-call and
-        reasoning formats, where /v1/responses keeps responses, and the objectives it
-        exports."""
+        reasoning formats, where /v1/responses keeps responses, the objectives it exports
+        and the admin key."""
         from services.gateway.metrics import objectives_for
         from services.gateway.responses import ResponseStore
 
         ms = (lambda v: None if v is None else v / 1e3)
         return {"objectives": objectives_for(ms(self.slo_ttft_ms), ms(self.slo_itl_ms)),
+                "admin_key": self.admin_api_key,
                 "chat_template": Path(self.chat_template).read_text()
                 if self.chat_template else None, "tool_call_parser": self.tool_call_parser,
                 "reasoning_parser": self.reasoning_parser,

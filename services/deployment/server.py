@@ -25,7 +25,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                    rate_limits: RateLimits | None = None, threads: int | None = None,
                    engine_process: bool = False, chat_template: str | None = None,
                    tool_call_parser: str | None = None, reasoning_parser: str | None = None,
-                   responses=None, objectives: Objectives = Objectives(), **engine_options):
+                   responses=None, objectives: Objectives = Objectives(),
+                   admin_key: str | None = None, **engine_options):
     """`options` (or its fields as keywords: `prefill`, `prefix_cache_bytes`, ... see
     `EngineOptions`) are the engine's serve flags: `prefill` (--prefill-mode, --maps, ...)
     adds the RidgeFill prefill service, and requests then choose with `prefill_mode` /
@@ -34,7 +35,8 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
     `limits`, `rate_limits`: the gateway's (`build_app`); the engine's `max_num_seqs` are
     its running slots; `chat_template`, `tool_call_parser`, `reasoning_parser`: the
     gateway's (`Gateway`); `responses`: the `/v1/responses` store (`build_app`);
-    `objectives`: the ones /metrics exports (--slo-ttft-ms, --slo-itl-ms).
+    `objectives`: the ones /metrics exports (--slo-ttft-ms, --slo-itl-ms); `admin_key`:
+    the `/admin/` routes' key (`build_app`).
     `engine_process`: the engine steps in a child process
     (`EngineProcess`) instead of on a thread of this one (`EngineBackend`); `threads`: its
     torch threads (None: as this process has them)."""
@@ -56,7 +58,7 @@ def build_embedded(model_dir: str | Path, served_name: str | None = None,
                       chat_template=chat_template, tool_call_parser=tool_call_parser,
                       reasoning_parser=reasoning_parser)
     return build_app(gateway, api_key, limits, rate_limits, running_slots=options.max_num_seqs,
-                     responses=responses)
+                     responses=responses, admin_key=admin_key)
 
 
 def embedded_engine(model_dir: Path, dtype: torch.dtype, options: EngineOptions,
@@ -87,7 +89,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                   max_replicas: int = 8, drain_timeout_s: float = 30.0, autoscaler=None,
                   chat_template: str | None = None, tool_call_parser: str | None = None,
                   reasoning_parser: str | None = None, responses=None,
-                  objectives: Objectives = Objectives()):
+                  objectives: Objectives = Objectives(), admin_key: str | None = None):
     """The disaggregated deployment: start (or join) Ray, place the pool replicas, the
     prefill replicas and the attention services (`services.deployment.ray_cluster`), and put the
     gateway in front of the attention services. Request prefill fields (`prefill_mode`,
@@ -120,7 +122,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
                       reasoning_parser=reasoning_parser)
     slots = config.max_num_seqs * config.attention_shards
     app = build_app(gateway, api_key, limits, rate_limits, running_slots=slots,
-                    responses=responses)
+                    responses=responses, admin_key=admin_key)
     placement = RayPlacement(cluster)
     app.state.pools = PoolManager(placement, routing, placement.members(), max_replicas,
                                   drain_timeout_s, fixed, registry=metrics.registry,

@@ -32,17 +32,24 @@ __all__ = ["Gateway", "RequireAPIKey", "build_app"]
 
 
 class RequireAPIKey:
-    """ASGI middleware: every `/v1/` and `/admin/` route needs `Authorization: Bearer <key>`
-    (vLLM's `--api-key`); `/health`, `/ready` and `/metrics` stay open for probes and
-    scrapers. Pure ASGI, so streamed responses and disconnects pass through untouched."""
+    """ASGI middleware: the `/v1/` routes need `Authorization: Bearer <key>` (vLLM's
+    `--api-key`), the `/admin/` routes their own `admin_key` (the client key does not open
+    them; without an admin key they take the client key); `/health`, `/ready` and `/metrics`
+    stay open for probes and scrapers. Pure ASGI, so streamed responses and disconnects pass
+    through untouched."""
 
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
+    def __init__(self, app, key: str | None, admin_key: str | None = None):
+        self.app = app
+        admin_key = admin_key or key
+        self.expected = {prefix: f"Bearer {k}".encode()
+                         for prefix, k in (("/v1/", key), ("/admin/", admin_key)) if k}
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(("/v1/", "/admin/")):
+        expected = next((v for prefix, v in self.expected.items()
+                         if scope["type"] == "http" and scope["path"].startswith(prefix)), None)
+        if expected is not None:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not hmac.compare_digest(given, expected):
                 error = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                       "<key>'", code="invalid_api_key")
                 response = JSONResponse(error.body(), status_code=401,
@@ -54,8 +61,10 @@ class RequireAPIKey:
 
 def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits | None = None,
               rate_limits: RateLimits | None = None, running_slots: int = 16,
-              responses: ResponseStore | None = None) -> FastAPI:
-    """`api_key`: clients of the `/v1/` routes must send it as a bearer token. `limits`:
+              responses: ResponseStore | None = None,
+              admin_key: str | None = None) -> FastAPI:
+    """`api_key`: clients of the `/v1/` routes must send it as a bearer token; `admin_key`:
+    callers of `/admin/` (default: `api_key`). `limits`:
     body size and read time, the waiting-queue bound past `running_slots` (requests the
     engines run at once) and the request caps (`services.gateway.limits`); `rate_limits`:
     per-client limits shared through Redis (`services.gateway.ratelimit`); `responses`:
@@ -66,8 +75,8 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
     install_admin(app)          # /admin/pools, /ready, and the drain on SIGTERM
     if rate_limits is not None and rate_limits.enabled:
         install_rate_limits(app, rate_limits)
-    if api_key:
-        app.add_middleware(RequireAPIKey, key=api_key)
+    if api_key or admin_key:
+        app.add_middleware(RequireAPIKey, key=api_key, admin_key=admin_key)
     install_http_metrics(app)   # outermost: counts every response, refusals included
 
     @app.exception_handler(APIError)

@@ -282,6 +282,25 @@ def test_the_api_key_comes_from_a_secret():
     assert "sk-test" not in yaml.safe_dump(find(docs, "Deployment", "-gateway"))
 
 
+def test_the_admin_key_is_its_own_secret_for_the_gateway_and_the_scale_hook():
+    docs = render("values-cpu.yaml", "apiKey.value=sk-client", "adminApiKey.value=sk-admin",
+                  "pools.mlp.replicas=3")
+    secret = find(docs, "Secret", "-admin-api-key")
+    assert secret["metadata"]["name"] != find(docs, "Secret", "-splitstack-api-key")[
+        "metadata"]["name"]
+    for kind, name in (("Deployment", "-gateway"), ("Job", "-scale")):
+        obj = find(docs, kind, name)
+        (container,) = [c for c in obj["spec"]["template"]["spec"]["containers"]
+                        if c["name"] in ("gateway", "scale")]
+        (key,) = [e for e in container["env"] if e["name"] == "SPLITSTACK_ADMIN_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"],
+                                                    "key": "admin-api-key"}, kind
+        assert "sk-admin" not in yaml.safe_dump(obj) and "sk-client" not in yaml.safe_dump(obj)
+    # without one, nothing asks for it (the gateway's /admin/ then takes the client key)
+    plain = render("values-cpu.yaml", "apiKey.value=sk-client")
+    assert "SPLITSTACK_ADMIN_API_KEY" not in yaml.safe_dump_all(plain)
+
+
 @pytest.mark.parametrize("source,volume", [("pvc", "persistentVolumeClaim"),
                                            ("hostPath", "hostPath"), ("image", None)])
 def test_model_sources(source, volume):

@@ -241,8 +241,9 @@ def tokenizer():
     return load_tokenizer(ZOO)
 
 
-def app_with(tokenizer, pools=None, api_key=None, engine=None):
-    app = build_app(Gateway(engine or HeldEngine(), tokenizer, "m", 512), api_key=api_key)
+def app_with(tokenizer, pools=None, api_key=None, engine=None, admin_key=None):
+    app = build_app(Gateway(engine or HeldEngine(), tokenizer, "m", 512), api_key=api_key,
+                    admin_key=admin_key)
     if pools is not None:
         app.state.pools = pools
     return app
@@ -301,6 +302,30 @@ def test_admin_routes_need_the_api_key_and_list_every_member(tokenizer, pools):
         "load": by_pool["attention"]["members"][0]["load"],
         "since_s": by_pool["attention"]["members"][0]["since_s"]}
     assert by_pool["mlp"]["replicas"] == 2 and by_pool["mlp"]["max_replicas"] == 4
+
+
+@pytest.mark.parametrize("api_key", ["client", None])
+def test_the_admin_routes_take_their_own_key(tokenizer, pools, api_key):
+    """With --admin-api-key, the client key opens /v1/ and not /admin/, the admin key
+    /admin/ and not /v1/ (with no client key, /v1/ stays open)."""
+    manager, _, _ = pools
+    app = app_with(tokenizer, manager, api_key=api_key, admin_key="operator")
+
+    def bearer(key):
+        return {"Authorization": f"Bearer {key}"}
+
+    for key in (api_key, None):
+        r = call(app, "PUT", "/admin/pools/mlp", json={"replicas": 2},
+                 headers=bearer(key) if key else {})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert manager.desired["mlp"] == 1                    # nothing changed
+    r = call(app, "PUT", "/admin/pools/mlp", json={"replicas": 2}, headers=bearer("operator"))
+    assert r.status_code == 202 and manager.desired["mlp"] == 2
+    assert call(app, "GET", "/v1/models", headers=bearer("operator")).status_code == \
+        (401 if api_key else 200)
+    if api_key:
+        assert call(app, "GET", "/v1/models", headers=bearer(api_key)).status_code == 200
+    assert call(app, "GET", "/metrics").status_code == 200       # scrapers need no key
 
 
 def test_the_embedded_deployment_has_no_pools(tokenizer):

@@ -112,6 +112,26 @@ stands in it for the shell to expand from the environment (the Secret). */}}
 {{- end -}}
 {{- end -}}
 
+{{- define "splitstack.adminApiKeySecret" -}}
+{{- if .Values.adminApiKey.existingSecret -}}
+{{ .Values.adminApiKey.existingSecret }}
+{{- else if .Values.adminApiKey.value -}}
+{{ include "splitstack.fullname" . }}-admin-api-key
+{{- end -}}
+{{- end -}}
+
+{{/* SPLITSTACK_ADMIN_API_KEY from the admin key's Secret, where one is set. */}}
+{{- define "splitstack.adminApiKeyEnv" -}}
+{{- $secret := include "splitstack.adminApiKeySecret" . -}}
+{{- if $secret }}
+- name: SPLITSTACK_ADMIN_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ .Values.adminApiKey.secretKey }}
+{{- end }}
+{{- end -}}
+
 {{/* Pod and container security contexts: non-root, no privilege escalation, no
 capabilities, the runtime's seccomp profile. */}}
 {{- define "splitstack.podSecurity" -}}
