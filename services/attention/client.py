@@ -66,6 +66,7 @@ def _stage_times(ev: pb.GenerateEvent) -> dict:
 
 
 class AttentionClient(EngineClient):
+    poll_interval_s = 2.0   # the members' stats and metrics, polled beside the scrapes
     RECHECK_S = 5.0      # a failed service is probed again after this long
     MAX_MIGRATIONS = 3   # times one request may move to another attention service
 
@@ -287,20 +288,26 @@ class AttentionClient(EngineClient):
         return self._waiting
 
     async def refresh(self) -> list[pb.AttentionStats]:
-        """Poll every live service's stats; the gateway's KV gauge is the fullest one."""
-        polled: dict[str, pb.AttentionStats] = {}
-        for r in await self._live():
+        """Poll every live service's stats at once (each within 2 s); the gateway's KV
+        gauge is the fullest one."""
+        began = time.time()
+
+        async def poll(r) -> tuple[str, pb.AttentionStats | None]:
             try:
-                polled[r.address] = await r.conn.connect().Stats(pb.Empty(), timeout=2.0)
+                return r.address, await r.conn.connect().Stats(pb.Empty(), timeout=2.0)
             except grpc.aio.AioRpcError as err:
                 self._mark_down(r.conn, err)
+                return r.address, None
+
+        polled = {address: st for address, st in
+                  await asyncio.gather(*(poll(r) for r in await self._live())) if st}
         stats = list(polled.values())
         self._usage = max((s.kv_usage for s in stats), default=0.0)
         self._waiting = sum(s.waiting for s in stats)
         self._running = sum(s.running for s in stats)
         if self.members is not None:
             await self.members.observe({r.address: r.conn.down_since is None
-                                        for r in self.set.replicas}, polled)
+                                        for r in self.set.replicas}, polled, began)
         return stats
 
     def shutdown(self) -> None:

@@ -11,6 +11,8 @@ whose metrics are polled.
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from prometheus_client import Gauge
 
@@ -49,15 +51,19 @@ class MemberMetrics:
                 ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard"),
                 ("requests_running", "Requests decoding on the attention service"),
                 ("requests_waiting", "Requests waiting for KV on the attention service"))}
+        self.polled = Gauge("splitstack_members_polled_timestamp_seconds", "When the last "
+                            "finished poll of the members' stats and metrics began (Unix "
+                            "time)", registry=registry)
         self.retries = {
             name: PolledCounter(f"splitstack_attention_{name}", doc, ["member"], registry)
             for name, doc in (
                 ("pool_retries", "Pool calls the attention service retried elsewhere"),
                 ("prefill_retries", "Prefill calls made again on another prefill replica"))}
 
-    async def observe(self, services: dict[str, bool], polled: dict[str, pb.AttentionStats]):
+    async def observe(self, services: dict[str, bool], polled: dict[str, pb.AttentionStats],
+                      began: float):
         """The attention services (address -> answers) and the stats polled from the live
-        ones; then every peer is polled."""
+        ones in the poll that `began` (Unix time); then every peer is polled."""
         for address, up in services.items():
             self.gauges["up"].labels(address).set(up)
         for address, st in polled.items():
@@ -73,7 +79,7 @@ class MemberMetrics:
                 self.remote.latest[address] = st.metrics
             else:
                 self.remote.latest.pop(address, None)
-        for kind, ch in self.peers:
+        async def poll(kind: str, ch: Channel) -> None:
             try:
                 st = await ch.connect().Stats(pb.Empty(), timeout=2.0)
             except grpc.aio.AioRpcError:
@@ -83,6 +89,9 @@ class MemberMetrics:
                 up = True
                 self.remote.latest[ch.address] = st.metrics
             self.peer_up[kind].labels(ch.address).set(up)
+
+        await asyncio.gather(*(poll(kind, ch) for kind, ch in self.peers))
+        self.polled.set(began)
 
     def set_peers(self, prefill_addresses: list[str], pool_addresses: list[str]) -> None:
         """The prefill and pool replicas whose metrics are polled (any thread)."""

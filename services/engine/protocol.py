@@ -14,6 +14,11 @@ from services.common.messages import GenerationParams
 
 
 class EngineClient(ABC):
+    # seconds between `refresh` calls the gateway makes in the background, for a client
+    # whose `refresh` calls other processes over the network (so a scrape of /metrics never
+    # waits on them); None: /metrics calls `refresh` itself
+    poll_interval_s: float | None = None
+
     @abstractmethod
     async def submit(self, prompt_ids: list[int],
                      params: GenerationParams) -> tuple[int, asyncio.Queue]:
@@ -57,4 +62,5 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def refresh(self) -> None:
-        """Polls whatever `kv_usage` and the metrics read from (before `/metrics`)."""
+        """Polls whatever `kv_usage` and the metrics read from: before each `/metrics`, or
+        every `poll_interval_s` when that is set."""

@@ -5,7 +5,11 @@ The endpoints live beside it: `completions.py` and `chat.py` (whole or SSE-strea
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import hmac
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +33,8 @@ from services.gateway.ratelimit import RateLimits
 from services.gateway.ratelimit import install as install_rate_limits
 
 __all__ = ["Gateway", "RequireAPIKey", "build_app"]
+
+log = logging.getLogger(__name__)
 
 
 class RequireAPIKey:
@@ -59,6 +65,27 @@ class RequireAPIKey:
         await self.app(scope, receive, send)
 
 
+@contextlib.asynccontextmanager
+async def polling(backend, app):
+    """While the server runs: a backend whose `refresh` calls other processes is polled
+    every `poll_interval_s` here, so a scrape of /metrics reads what the last poll saw and
+    never waits on an unreachable member."""
+    async def poll():
+        while True:
+            try:
+                await backend.refresh()
+            except Exception:  # noqa: BLE001 — the next poll tries again
+                log.exception("polling the engines failed")
+            await asyncio.sleep(backend.poll_interval_s)
+
+    task = asyncio.create_task(poll()) if backend.poll_interval_s is not None else None
+    try:
+        yield
+    finally:
+        if task is not None:
+            task.cancel()
+
+
 def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits | None = None,
               rate_limits: RateLimits | None = None, running_slots: int = 16,
               responses: ResponseStore | None = None,
@@ -69,7 +96,7 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
     engines run at once) and the request caps (`services.gateway.limits`); `rate_limits`:
     per-client limits shared through Redis (`services.gateway.ratelimit`); `responses`:
     where `/v1/responses` keeps responses (default: in this process, for an hour)."""
-    app = FastAPI(title="splitstack")
+    app = FastAPI(title="splitstack", lifespan=functools.partial(polling, gateway.backend))
     app.state.gateway = gateway
     install_limits(app, limits or HttpLimits(), running_slots)
     install_admin(app)          # /admin/pools, /ready, and the drain on SIGTERM
@@ -107,7 +134,8 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
 
     @app.get("/metrics")
     async def metrics():
-        await gateway.backend.refresh()
+        if gateway.backend.poll_interval_s is None:    # else polled in the background
+            await gateway.backend.refresh()
         gateway.metrics.kv_usage.set(gateway.backend.kv_usage())
         gateway.metrics.running.set(gateway.backend.num_running())
         gateway.metrics.waiting.set(gateway.backend.num_waiting())

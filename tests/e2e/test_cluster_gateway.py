@@ -21,7 +21,7 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.server import build_cluster
-from tests.helpers.gateway import (ZOO, migrations, reference_texts, running,
+from tests.helpers.gateway import (ZOO, fresh_metrics, migrations, reference_texts, running,
                                    stream_completion)
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,7 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
                                           messages=[{"role": "user", "content": "Hi!"}])
     assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
     assert_no_leaks(ray_session, handles.attention)
-    metrics = httpx.get(base + "/metrics").text
+    metrics = fresh_metrics(base)                        # a poll of the members after the load
     assert "splitstack_kv_cache_usage_ratio" in metrics
     for address in handles.attention_addresses:          # one series per attention service
         assert f'splitstack_attention_up{{member="{address}"}} 1.0' in metrics

@@ -22,7 +22,7 @@ import redis
 from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.build import EngineOptions
 from services.deployment.server import build_cluster
-from tests.helpers.gateway import ZOO, running
+from tests.helpers.gateway import ZOO, fresh_metrics, running
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def metric(text: str, name: str, **labels) -> float:
 
 
 def scrape(base: str) -> str:
-    return httpx.get(base + "/metrics", timeout=30).text
+    return fresh_metrics(base)           # the members' series as a poll after this call saw
 
 
 def complete(base: str, prompt: str, max_tokens: int = 10, **extra):

@@ -11,7 +11,7 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.server import build_cluster, build_embedded
 from tools.calibration import CalibConfig, calibrate
 from services.prefill.service import PrefillConfig
-from tests.helpers.gateway import ZOO, running
+from tests.helpers.gateway import ZOO, fresh_metrics, running
 
 pytestmark = pytest.mark.slow
 
@@ -188,7 +188,7 @@ def test_the_ray_deployment_fills_as_the_embedded_engine(rf_server, maps, ray_se
                                ridgefill={"split": 3})
             assert refused.status_code == 400
             assert "no maps for split 3" in refused.json()["error"]["message"]
-            text = httpx.get(ray_base + "/metrics").text
+            text = fresh_metrics(ray_base)
             assert "splitstack_ridgefill_filled_rows_total" in text
         free, total = ray_session.get(cluster.attention[0].blocks.remote())
         assert free == total

@@ -83,6 +83,21 @@ def stream_completion(base: str, prompt: list[int], max_tokens: int,
     return text, None
 
 
+def fresh_metrics(base: str, timeout_s: float = 60.0) -> str:
+    """The gateway's /metrics once it shows a poll of the members that began after this call
+    (the Ray deployment polls them every 2 s, beside the scrapes); at once for a gateway
+    without members."""
+    since, deadline = time.time(), time.monotonic() + timeout_s
+    while True:
+        text = httpx.get(base + "/metrics", timeout=30).text
+        polled = re.search(r"^splitstack_members_polled_timestamp_seconds (\S+)$", text, re.M)
+        if "splitstack_attention_up" not in text or (polled and float(polled.group(1)) >= since):
+            return text
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no poll of the members in {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def migrations(base: str, reason: str) -> float:
     """`splitstack_migrations_total{reason}` as the gateway's /metrics shows it now."""
     found = re.search(rf'^splitstack_migrations_total\{{reason="{reason}"\}} ([\d.]+)$',
