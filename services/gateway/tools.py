@@ -13,9 +13,10 @@ With `tool_choice` `required` or a named function, the output is constrained to 
 must match that function's `parameters` schema; `parallel_tool_calls` allows up to
 `MAX_PARALLEL` calls. With `auto` the model writes what it likes, and the text is parsed.
 
-Streaming holds a call back until it is complete, then sends its id and name, then its
-arguments in fragments: the fragments concatenate to the same `arguments` string as the
-whole response has, since both come from one parse.
+Streaming sends a call as the model writes it, as vLLM's parsers do: its id and name once
+the name is complete (and names an offered function), then its arguments' text as it comes.
+A call's `arguments` is the text the model wrote for them (compact under a grammar), in the
+stream and in the whole response alike, so the fragments concatenate to the whole one's.
 """
 from __future__ import annotations
 
@@ -28,7 +29,106 @@ from services.common.messages import StructuredSpec
 from services.gateway.stops import tag_start
 
 MAX_PARALLEL = 4            # most calls one constrained answer may hold
-ARGUMENT_FRAGMENT = 16      # characters per streamed argument fragment
+ARGUMENT_FRAGMENT = 16      # characters per argument fragment of a call sent whole
+WHITESPACE = " \t\n\r"
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """Past the JSON string that opens at s[i] (a quote), or None when it has not ended."""
+    i += 1
+    while i < len(s):
+        if s[i] == "\\":
+            i += 2
+        elif s[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
+
+
+def _value_end(s: str, i: int) -> int | None:
+    """Past the JSON value that begins at s[i], or None when it has not ended (a number or
+    literal ends only at the delimiter after it)."""
+    if s[i] == '"':
+        return _string_end(s, i)
+    if s[i] in "{[":
+        depth = 0
+        while i < len(s):
+            if s[i] == '"':
+                end = _string_end(s, i)
+                if end is None:
+                    return None
+                i = end
+                continue
+            depth += (s[i] in "{[") - (s[i] in "}]")
+            i += 1
+            if depth == 0:
+                return i
+        return None
+    while i < len(s) and s[i] not in ",}]" + WHITESPACE:
+        i += 1
+    return i if i < len(s) else None
+
+
+def _skip(s: str, i: int) -> int:
+    while i < len(s) and s[i] in WHITESPACE:
+        i += 1
+    return i
+
+
+@dataclass
+class PartialCall:
+    """A call's JSON object as far as it has come: its `name` once that string is complete,
+    the raw text of its arguments value so far (`args`, None before it begins), whether that
+    value is complete, and the index past the object's closing brace once there is one."""
+    name: str | None = None
+    args: str | None = None
+    args_done: bool = False
+    end: int | None = None
+
+
+def scan_call(body: str, args_keys: tuple[str, ...]) -> PartialCall | None:
+    """The object `body` begins with (after whitespace), read as far as it has come; None
+    when it is not an object of string keys. The arguments are the first key of
+    `args_keys` present."""
+    out, i = PartialCall(), _skip(body, 0)
+    if i == len(body):
+        return out
+    if body[i] != "{":
+        return None
+    i += 1
+    while True:
+        i = _skip(body, i)
+        if i == len(body):
+            return out
+        if body[i] == "}":
+            out.end = i + 1
+            return out
+        if body[i] == ",":
+            i += 1
+            continue
+        if body[i] != '"':
+            return None
+        key_end = _string_end(body, i)
+        if key_end is None:
+            return out
+        key = json.loads(body[i:key_end])
+        i = _skip(body, key_end)
+        if i == len(body):
+            return out
+        if body[i] != ":":
+            return None
+        i = _skip(body, i + 1)
+        if i == len(body):
+            return out
+        end = _value_end(body, i)
+        if key in args_keys and out.args is None:
+            out.args, out.args_done = body[i:len(body) if end is None else end], end is not None
+        elif key == "name" and end is not None and body[i] == '"':
+            out.name = json.loads(body[i:end])
+        if end is None:
+            return out
+        i = end
 
 
 @dataclass(frozen=True)
@@ -87,16 +187,25 @@ class ToolFormat:
             return text, []
         return "", calls
 
-    def _call(self, body: str, names: set[str]) -> ToolCall | None:
+    @property
+    def args_keys(self) -> tuple[str, ...]:
+        return (self.args_key, "arguments", "parameters")
+
+    def _call(self, body: str, names: set[str], call_id: str | None = None) -> ToolCall | None:
         try:
             obj = json.loads(body)
         except ValueError:
             return None
         if not isinstance(obj, dict) or obj.get("name") not in names:
             return None
-        args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters", {})))
-        return ToolCall("call_" + uuid.uuid4().hex[:24], obj["name"],
-                        json.dumps(args, ensure_ascii=False))
+        found = scan_call(body, self.args_keys)
+        # the arguments as the model wrote them (what a stream sends), else none given
+        args = found.args if found is not None and found.args_done else "{}"
+        return ToolCall(call_id or new_call_id(), obj["name"], args)
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
 
 
 FORMATS = {f.name: f for f in (
@@ -114,15 +223,30 @@ def default_format(chat_template: str | None) -> str:
 
 
 @dataclass
+class OpenCall:
+    """A call being streamed: its place among the answer's calls, id, name, and how much of
+    its arguments' text has been sent."""
+    index: int
+    id: str
+    name: str
+    sent: str = ""
+
+
+@dataclass
 class ToolStream:
     """One streamed answer: `feed` the text deltas, `finish` at the end; each returns
-    (content text to send now, tool-call chunks to send now)."""
+    (content text to send now, tool-call chunks to send now). A call is sent as it is
+    written: its id and name once its name is complete and offered, then each new piece of
+    its arguments' text. Text that is not a call is content; a call the answer leaves
+    unfinished (cut by max_tokens) ends where it was cut."""
     format: ToolFormat
     names: set[str]
     buffer: str = ""
     calls: list[ToolCall] = field(default_factory=list)
-    whole: bool = False          # llama3_json answer that began with "{": held to the end
+    whole: bool = False          # llama3_json answer that began with "{": calls, or text
     started: bool = False        # any non-space text seen
+    open: OpenCall | None = None
+    at: int = 0                  # whole answers: where in `buffer` the next call begins
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buffer += text
@@ -130,7 +254,9 @@ class ToolStream:
             if not self.started and self.buffer.strip():
                 self.started = True
                 self.whole = self.buffer.lstrip().startswith("{")
-            if self.whole or not self.started:
+            if self.whole:
+                return "", self._stream_whole()
+            if not self.started:
                 return "", []
             out, self.buffer = self.buffer, ""
             return out, []
@@ -143,24 +269,81 @@ class ToolStream:
                 out.append(self.buffer[:len(self.buffer) - keep])
                 self.buffer = self.buffer[len(self.buffer) - keep:]
                 break
-            close = self.buffer.find(end, at + len(tag))
-            if close < 0:                    # inside a call: wait for its end
-                out.append(self.buffer[:at])
-                self.buffer = self.buffer[at:]
+            out.append(self.buffer[:at])
+            self.buffer = self.buffer[at:]
+            close = self.buffer.find(end, len(tag))
+            body = self.buffer[len(tag):close if close >= 0 else len(self.buffer)]
+            chunks += self._advance(body)
+            if close < 0:                    # inside a call: wait for more of it
                 break
-            block = self.buffer[at:close + len(end)]
-            content, calls = self.format.parse(block, self.names)
-            out.append(self.buffer[:at] + (content if not calls else ""))
-            chunks += self._chunks(calls)
+            if self.open is not None:
+                chunks += self._close(body)
+            else:                            # not a call of an offered function: text
+                out.append(self.buffer[:close + len(end)])
             self.buffer = self.buffer[close + len(end):]
         return "".join(out), chunks
 
     def finish(self) -> tuple[str, list[dict]]:
         rest, self.buffer = self.buffer, ""
-        if self.format.prefix or not self.whole:
-            return rest, []          # an unfinished call is text
+        if self.open is not None:            # cut inside a call already sent: it ends here
+            self.open = None
+            return "", []
+        if not self.whole:
+            return rest, []                  # an unfinished call is text
+        if self.calls:
+            return "", []
         content, calls = self.format.parse(rest, self.names)
         return content, self._chunks(calls)
+
+    def _stream_whole(self) -> list[dict]:
+        """A whole answer of calls (`{...}; {...}`): each object streamed as it comes."""
+        chunks, sep = [], self.format.separator.strip()
+        while True:
+            nxt = _skip(self.buffer, self.at)
+            if self.at and self.buffer.startswith(sep, nxt):    # after a call: the next
+                self.at = nxt + len(sep)
+            body = self.buffer[self.at:]
+            chunks += self._advance(body)
+            found = scan_call(body, self.format.args_keys)
+            if found is None or found.end is None:
+                return chunks
+            if self.open is not None:
+                chunks += self._close(body[:found.end])
+            self.at += found.end
+
+    def _advance(self, body: str) -> list[dict]:
+        """What is new of the call `body` holds so far: its header once it names an offered
+        function, then its arguments' new text."""
+        found = scan_call(body, self.format.args_keys)
+        if found is None:
+            return []
+        chunks = []
+        if self.open is None:
+            if found.name is None or found.name not in self.names:
+                return []
+            self.open = OpenCall(len(self.calls), new_call_id(), found.name)
+            chunks.append({"index": self.open.index, "id": self.open.id, "type": "function",
+                           "function": {"name": found.name, "arguments": ""}})
+        if found.args is not None and len(found.args) > len(self.open.sent):
+            chunks.append({"index": self.open.index,
+                           "function": {"arguments": found.args[len(self.open.sent):]}})
+            self.open.sent = found.args
+        return chunks
+
+    def _close(self, body: str) -> list[dict]:
+        """The streamed call's block is complete: the rest of its arguments (none given:
+        `{}`, as a whole answer has)."""
+        call = self.format._call(body, self.names, self.open.id)
+        args = call.arguments if call is not None else self.open.sent
+        chunks = []
+        if args.startswith(self.open.sent) and len(args) > len(self.open.sent):
+            chunks.append({"index": self.open.index,
+                           "function": {"arguments": args[len(self.open.sent):]}})
+        else:
+            args = self.open.sent if self.open.sent else args
+        self.calls.append(ToolCall(self.open.id, self.open.name, args))
+        self.open = None
+        return chunks
 
     def _chunks(self, calls: list[ToolCall]) -> list[dict]:
         chunks = []

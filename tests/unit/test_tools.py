@@ -140,3 +140,70 @@ def test_history_keeps_tool_calls_and_ids():
 def test_the_default_format_follows_the_template():
     assert default_format(None) == "hermes"
     assert default_format("{{ '<|python_tag|>' }}") == "llama3_json"
+
+
+def test_a_call_streams_as_it_is_written():
+    """The header as soon as the name is complete, then each new piece of the arguments,
+    before the block has ended (vLLM's streaming parsers; holding a call to its end made a
+    slow call look stuck)."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call>')
+    stream = ToolStream(HERMES, NAMES)
+    cut = text.index('"city"') + 3                    # inside the arguments
+    content, chunks = "", []
+    for ch in text[:cut]:
+        c, k = stream.feed(ch)
+        content, chunks = content + c, chunks + k
+    assert content == ""
+    assert chunks[0] == {"index": 0, "id": chunks[0]["id"], "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}
+    so_far = "".join(k["function"]["arguments"] for k in chunks[1:])
+    assert so_far == '{"ci' and len(chunks) == 1 + len(so_far)    # one piece per delta
+    for ch in text[cut:]:
+        c, k = stream.feed(ch)
+        content, chunks = content + c, chunks + k
+    c, k = stream.finish()
+    args = "".join(k["function"]["arguments"] for k in chunks[1:])
+    assert content + c == "" and k == []
+    assert json.loads(args) == {"city": "Paris", "unit": "celsius"}
+    assert args == HERMES.parse(text, NAMES)[1][0].arguments      # what the whole one says
+
+
+def test_arguments_are_the_text_the_model_wrote():
+    compact = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":[2, 3]}}\n</tool_call>'
+    (call,) = HERMES.parse(compact, NAMES)[1]
+    assert call.arguments == '{"a":1,"b":[2, 3]}'
+    (bare,) = HERMES.parse('<tool_call>\n{"name": "add"}\n</tool_call>', NAMES)[1]
+    assert bare.arguments == "{}"
+
+
+def test_an_unoffered_function_streams_as_text_and_a_cut_call_ends_where_it_was_cut():
+    stream = ToolStream(HERMES, NAMES)
+    block = '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>'
+    content = "".join(stream.feed(ch)[0] for ch in block)
+    assert content == block and stream.calls == []
+    stream = ToolStream(HERMES, NAMES)
+    chunks = []
+    for ch in '<tool_call>\n{"name": "add", "arguments": {"a": 1':
+        chunks += stream.feed(ch)[1]
+    assert chunks[0]["function"]["name"] == "add"
+    assert stream.finish() == ("", [])            # no text repeats what was sent
+    assert stream.calls == []                     # and no complete call was made
+
+
+def test_llama3_json_calls_stream_one_after_another():
+    text = '{"name": "add", "parameters": {"a": 1}}; {"name": "get_weather", "parameters": {}}'
+    stream = ToolStream(LLAMA, NAMES)
+    chunks = []
+    for ch in text[:text.index(";")]:
+        chunks += stream.feed(ch)[1]
+    assert [c["function"].get("name") for c in chunks if "id" in c] == ["add"]
+    for ch in text[text.index(";"):]:
+        chunks += stream.feed(ch)[1]
+    assert stream.finish() == ("", [])
+    args = {}
+    for c in chunks:
+        args[c["index"]] = args.get(c["index"], "") + c["function"]["arguments"]
+    assert args == {0: '{"a": 1}', 1: "{}"}
+    assert [(c.name, c.arguments) for c in LLAMA.parse(text, NAMES)[1]] == \
+        [("add", '{"a": 1}'), ("get_weather", "{}")]
