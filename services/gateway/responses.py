@@ -4,8 +4,10 @@ A response request becomes a chat request (`to_chat`): `instructions` a system m
 `input` (a string, or message, `function_call` and `function_call_output` items) the
 history, function `tools` and `tool_choice` as chat's, `text.format` as `response_format`.
 It then runs as chat does (`chat.prepare`), and its answer is written as the Responses
-API's output items: a `message` with `output_text`, and a `function_call` per call. The
-wire shapes are the `openai` package's own types.
+API's output items: with `--reasoning-parser`, a `reasoning` item holding the thinking as
+`reasoning_text`; a `message` with `output_text`; and a `function_call` per call. The wire
+shapes are the `openai` package's own types. `reasoning` items in `input` (a client that
+sends its earlier output back) are dropped, as a chat template drops earlier thinking.
 
 With `previous_response_id`, the stored conversation of that response (its input and
 output, not its instructions) comes before `input`. Responses are stored unless
@@ -13,7 +15,8 @@ output, not its instructions) comes before `input`. Responses are stored unless
 in this process (`ResponseStore`).
 
 Streaming sends the typed events: `response.created`, `response.in_progress`, per item
-`response.output_item.added` ... `response.output_item.done` (a message's
+`response.output_item.added` ... `response.output_item.done` (a reasoning item's
+`response.content_part.added`, `response.reasoning_text.delta`s and `.done`; a message's
 `response.content_part.added`, `response.output_text.delta`s and `.done`; a call's
 `response.function_call_arguments.delta`s and `.done`), then `response.completed`.
 """
@@ -127,9 +130,12 @@ def history(items: str | list[dict]) -> list[dict]:
                 raise APIError(400, f"input[{i}]: a function_call_output needs call_id and "
                                     "output (strings)", "input")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+        elif kind == "reasoning":
+            continue                        # earlier thinking: not part of the prompt
         else:
             raise APIError(400, f"input[{i}]: items of type {str(kind)[:40]!r} are not "
-                                "served (message, function_call, function_call_output are)",
+                                "served (message, function_call, function_call_output, "
+                                "reasoning are)",
                            "input")
     return out
 
@@ -204,6 +210,11 @@ def _message(item_id: str, text: str, status: str = "completed") -> wire.Respons
                                           type="output_text", text=text, annotations=[])])
 
 
+def _reasoning(item_id: str, text: str, status: str = "completed") -> wire.ResponseReasoningItem:
+    return wire.ResponseReasoningItem(id=item_id, type="reasoning", summary=[], status=status,
+                                      content=[{"type": "reasoning_text", "text": text}])
+
+
 def _call(item_id: str, call: ToolCall) -> wire.ResponseFunctionToolCall:
     return wire.ResponseFunctionToolCall(id=item_id, type="function_call", call_id=call.id,
                                          name=call.name, arguments=call.arguments,
@@ -211,7 +222,8 @@ def _call(item_id: str, call: ToolCall) -> wire.ResponseFunctionToolCall:
 
 
 def _response(rid: str, req: ResponsesRequest, output: list, status: str, reason: str | None,
-              prompt_tokens: int, tokens: int, created: int, model: str) -> wire.Response:
+              prompt_tokens: int, tokens: int, created: int, model: str,
+              reasoning_tokens: int = 0) -> wire.Response:
     incomplete = ({"reason": "max_output_tokens"} if status == "incomplete" else None)
     return wire.Response.model_validate({
         "id": rid, "object": "response", "created_at": created, "model": model,
@@ -229,7 +241,7 @@ def _response(rid: str, req: ResponsesRequest, output: list, status: str, reason
         "usage": {"input_tokens": prompt_tokens, "output_tokens": tokens,
                   "total_tokens": prompt_tokens + tokens,
                   "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+                  "output_tokens_details": {"reasoning_tokens": reasoning_tokens}},
     })
 
 
@@ -273,15 +285,21 @@ async def create_response(gateway: Gateway, store: ResponseStore, req: Responses
     if results is None:
         return HTTPResponse(status_code=499)
     (r,) = results
-    _, text, calls = ready.split(r.text)
-    output = ([_message("msg_" + uuid.uuid4().hex, text, _status(r.reason))]
-              if text or not calls else [])
+    thought, text, calls = ready.split(r.text)
+    output = [_reasoning("rs_" + uuid.uuid4().hex, thought)] if thought else []
+    output += ([_message("msg_" + uuid.uuid4().hex, text or "", _status(r.reason))]
+               if text or not calls else [])
     output += [_call("fc_" + uuid.uuid4().hex, c) for c in calls]
     response = _response(rid, req, output, _status(r.reason), r.reason, fan.prompt_tokens,
-                         r.n, created, gateway.model_name)
+                         r.n, created, gateway.model_name, count_tokens(gateway, thought))
     if req.store:
         await store.put(rid, _record(chat, text, calls, response))
     return response.model_dump(mode="json", exclude_none=False)
+
+
+def count_tokens(gateway: Gateway, text: str | None) -> int:
+    """Tokens of the reasoning text, as the tokenizer counts it (`reasoning_tokens`)."""
+    return len(gateway.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
 async def retrieve_response(store: ResponseStore, response_id: str) -> dict:
@@ -298,14 +316,34 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
     answer = ready.stream()
     output: list = []                   # finished items
     text_item: dict | None = None       # the open message item: id, index, text
-    content, calls, n, reason = "", [], 0, None
+    thought_item: dict | None = None    # the open reasoning item: id, index, text
+    content, calls, n, reason, thinking = "", [], 0, None, ""
 
     def event(model) -> str:
         return f"event: {model.type}\ndata: {model.model_dump_json(exclude_none=True)}\n\n"
 
     def shell(status: str) -> wire.Response:
         return _response(rid, req, list(output), status, reason, fan.prompt_tokens, n,
-                         created, gateway.model_name)
+                         created, gateway.model_name, count_tokens(gateway, thinking))
+
+    def close_thought(status: str):
+        nonlocal thought_item
+        if thought_item is None:
+            return
+        item_id, index, text = thought_item["id"], thought_item["index"], thought_item["text"]
+        yield event(wire.ResponseReasoningTextDoneEvent(
+            type="response.reasoning_text.done", item_id=item_id, output_index=index,
+            content_index=0, text=text, sequence_number=next(seq)))
+        yield event(wire.ResponseContentPartDoneEvent(
+            type="response.content_part.done", item_id=item_id, output_index=index,
+            content_index=0, part={"type": "reasoning_text", "text": text},
+            sequence_number=next(seq)))
+        item = _reasoning(item_id, text, status)
+        output.append(item)
+        yield event(wire.ResponseOutputItemDoneEvent(
+            type="response.output_item.done", output_index=index, item=item,
+            sequence_number=next(seq)))
+        thought_item = None
 
     def close_text(status: str):
         nonlocal text_item
@@ -333,7 +371,31 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
             "in_progress"), sequence_number=next(seq)))
         async for _, delta in fan.merged(firsts):
             n, reason = delta.n, delta.reason
-            _, text, _ = answer.feed(delta.text, delta.reason is not None)
+            thought, text, _ = answer.feed(delta.text, delta.reason is not None)
+            if thought:
+                thinking += thought
+                for piece in close_text("completed"):    # (a parser sends thinking first)
+                    yield piece
+                if thought_item is None:
+                    thought_item = {"id": "rs_" + uuid.uuid4().hex, "index": len(output),
+                                    "text": ""}
+                    yield event(wire.ResponseOutputItemAddedEvent(
+                        type="response.output_item.added", output_index=thought_item["index"],
+                        item=_reasoning(thought_item["id"], "", "in_progress"),
+                        sequence_number=next(seq)))
+                    yield event(wire.ResponseContentPartAddedEvent(
+                        type="response.content_part.added", item_id=thought_item["id"],
+                        output_index=thought_item["index"], content_index=0,
+                        part={"type": "reasoning_text", "text": ""},
+                        sequence_number=next(seq)))
+                thought_item["text"] += thought
+                yield event(wire.ResponseReasoningTextDeltaEvent(
+                    type="response.reasoning_text.delta", item_id=thought_item["id"],
+                    output_index=thought_item["index"], content_index=0, delta=thought,
+                    sequence_number=next(seq)))
+            if (text or answer.called) and thought_item is not None:
+                for piece in close_thought("completed"):    # the answer began
+                    yield piece
             if text:
                 content += text
                 if text_item is None:
@@ -363,9 +425,11 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
                     for piece in _call_events(call, len(output), seq, event):
                         yield piece
                     output.append(_call("fc_" + call.id.removeprefix("call_"), call))
+        for piece in close_thought(_status(reason)):
+            yield piece
         for piece in close_text(_status(reason)):
             yield piece
-        if not output:                        # an answer with no text and no call
+        if all(o.type == "reasoning" for o in output):    # no text and no call
             output.append(_message("msg_" + uuid.uuid4().hex, "", _status(reason)))
         final = shell(_status(reason))
         if req.store:

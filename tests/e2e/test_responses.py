@@ -126,3 +126,52 @@ def test_the_memory_store_expires_entries():
         return await store.get("r")
 
     assert asyncio.run(run()) is None
+
+
+# ---- reasoning items (a played-back thinking answer; SmolLM2 does not think) ---------------
+THOUGHT, ANSWER = "The capital of France is Paris, which I know well.", "Paris."
+
+
+@pytest.fixture(scope="module")
+def thinking_base():
+    from services.common.tokenizer import load_tokenizer
+    from services.gateway.app import build_app
+    from services.gateway.gateway import Gateway
+    from tests.helpers.playback import PlaybackEngine
+
+    tokenizer = load_tokenizer(ZOO)
+    tokens = tokenizer(f"<think>{THOUGHT}</think>{ANSWER}", add_special_tokens=False)["input_ids"]
+    gateway = Gateway(PlaybackEngine(tokens, reason="stop"), tokenizer, MODEL, 4096,
+                      reasoning_parser="qwen3")
+    with running(build_app(gateway)) as url:
+        yield url, tokenizer
+
+
+def test_thinking_is_a_reasoning_item_whole_and_streamed(thinking_base):
+    url, tokenizer = thinking_base
+    c = client(url)
+    whole = c.responses.create(model=MODEL, input="Where is Paris?", max_output_tokens=200)
+    assert [o.type for o in whole.output] == ["reasoning", "message"]
+    (part,) = whole.output[0].content
+    assert part.type == "reasoning_text" and part.text.strip() == THOUGHT
+    assert whole.output_text.strip() == ANSWER and ANSWER not in part.text
+    thought_tokens = len(tokenizer(part.text, add_special_tokens=False)["input_ids"])
+    assert whole.usage.output_tokens_details.reasoning_tokens == thought_tokens > 0
+    events = list(c.responses.create(model=MODEL, input="Where is Paris?",
+                                     max_output_tokens=200, stream=True))
+    kinds = [e.type for e in events]
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == part.text and len([k for k in kinds
+                                        if k == "response.reasoning_text.delta"]) > 1
+    # the reasoning item closes before the message opens
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == part.text
+    assert final.output_text == whole.output_text
+    # a client that sends its earlier output back: the reasoning item is accepted, not sent
+    again = c.responses.create(model=MODEL, max_output_tokens=200, input=[
+        {"role": "user", "content": "Where is Paris?"},
+        *[o.model_dump(exclude_none=True) for o in whole.output],
+        {"role": "user", "content": "And Rome?"}])
+    assert again.status == "completed"
