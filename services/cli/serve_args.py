@@ -123,6 +123,12 @@ class ServeArgs:
     tool_call_parser: str | None = flag(None, "the format tool calls are written and parsed in "
                                               "(default: the one the chat template implies)",
                                         choices=("hermes", "llama3_json"))
+    structured_outputs_backend: str = flag("auto", "the grammar backend of structured "
+                                                   "outputs and forced tool calls (vLLM's "
+                                                   "structured_outputs_config.backend): auto "
+                                                   "tries xgrammar, then llguidance for a spec "
+                                                   "xgrammar cannot compile",
+                                           choices=("auto", "xgrammar", "guidance"))
     reasoning_parser: str | None = flag(None, "split a thinking model's <think> block into "
                                               "reasoning_content", choices=("qwen3",
                                                                             "deepseek_r1"))
@@ -393,7 +399,8 @@ class ServeArgs:
                              redis_ttl_s=self.prefix_cache_ttl,
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
                              compile_decode=self.compile, quantization=self.quantization,
-                             speculative=self.speculative())
+                             speculative=self.speculative(),
+                             structured_backend=self.structured_outputs_backend)
 
     def speculative(self) -> NgramConfig | None:
         """--speculative-config as the engine takes it; a malformed value raises

@@ -36,6 +36,7 @@ class EngineOptions:
     compile_decode: bool = False              # --compile: decode steps as compiled graphs
     quantization: str | None = None           # --quantization int8 (applied where loaded)
     speculative: NgramConfig | None = None    # --speculative-config: n-gram drafts
+    structured_backend: str = "auto"          # --structured-outputs-backend
 
     def __post_init__(self):
         TailReplayConfig(self.replay_ratio)   # refuse a bad flag before loading anything
@@ -59,15 +60,17 @@ def build_prefill_service(model: CausalLM, model_dir: str | Path, options: Engin
     return PrefillService(model, options.prefill, PrefillMetrics(registry), lexicon)
 
 
-def grammars_for(model_dir: str | Path, vocab_size: int, registry=None) -> Grammars | None:
-    """Structured outputs for an engine of this checkpoint: None without its tokenizer.
-    xgrammar and the tokenizer load on the first structured request; the metrics go into
-    `registry` when given."""
+def grammars_for(model_dir: str | Path, vocab_size: int, registry=None,
+                 backend: str = "auto") -> Grammars | None:
+    """Structured outputs for an engine of this checkpoint on `backend`: None without its
+    tokenizer. The backend and the tokenizer load on the first structured request; the
+    metrics go into `registry` when given."""
     if not has_tokenizer(model_dir):
         return None
     return Grammars(functools.partial(load_tokenizer, model_dir), vocab_size,
                     eos_token_ids(model_dir),
-                    StructuredMetrics(registry) if registry is not None else None)
+                    StructuredMetrics(registry) if registry is not None else None,
+                    backend=backend)
 
 
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
@@ -89,8 +92,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                    redis_url=options.redis_url,
                                    redis_ttl_s=options.redis_ttl_s)
         cache = PrefixCache(config, PrefixCacheMetrics(registry))
-    grammars = (grammars_for(model_dir, model.config.vocab_size, registry) if structured
-                else None)
+    grammars = (grammars_for(model_dir, model.config.vocab_size, registry,
+                             options.structured_backend) if structured else None)
     engine = LLMEngine(model, EngineConfig(max_num_seqs=options.max_num_seqs,
                                            kv_cache_bytes=options.kv_cache_bytes,
                                            compile_decode=options.compile_decode,

@@ -300,7 +300,8 @@ class AttentionReplica:
                                     kv_cache_bytes=c.kv_cache_bytes,
                                     max_num_seqs=c.max_num_seqs, prefill_service=service,
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)],
-                                    grammars=grammars_for(c.model, cfg.vocab_size))
+                                    grammars=grammars_for(c.model, cfg.vocab_size,
+                                                          backend=c.prefill.structured_backend))
         registry.register(EngineCollector(self.engine))
         prefill = None
         if prefill_addresses:

@@ -1,6 +1,8 @@
-"""Tool calling over real HTTP with the official `openai` client: a forced call whose
-arguments match the function's schema, the same call streamed, a whole loop (call, tool
-answer, final answer) streamed and not, and 400s for tools the request does not offer."""
+"""Tool calling over real HTTP with the official `openai` client, on the embedded and the Ray
+deployment (an attention service and an MLP pool replica over gRPC, the grammar's masks
+travelling to the pool): a forced call whose arguments match the function's schema, the
+same call streamed, a whole loop (call, tool answer, final answer) streamed and not, and
+400s for tools the request does not offer."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from services.deployment.server import build_embedded
+from services.deployment.ray_cluster import ClusterConfig
+from services.deployment.server import build_cluster, build_embedded
 from tests.helpers.gateway import MODEL, ZOO, client, running
 
 pytestmark = pytest.mark.slow
@@ -25,10 +28,21 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORCED = {"tools": TOOLS, "max_tokens": 60, "temperature": 0, "parallel_tool_calls": False}
 
 
-@pytest.fixture(scope="module")
-def base():
-    with running(build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1)) as url:
-        yield url
+@pytest.fixture(scope="module", params=["embedded", "ray"])
+def base(request):
+    if request.param == "embedded":
+        with running(build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1)) as url:
+            yield url
+        return
+    request.getfixturevalue("ray_session")
+    config = ClusterConfig(model=str(ZOO), attention_shards=1, mlp_replicas=1, transport="grpc",
+                           kv_cache_bytes=64 << 20, max_num_seqs=4)
+    app, cluster = build_cluster(config, served_name=MODEL)
+    try:
+        with running(app) as url:
+            yield url
+    finally:
+        cluster.shutdown()
 
 
 def streamed(c, **kw) -> tuple[str, list[dict], str]:

@@ -192,3 +192,66 @@ def test_every_benchmark_schema_compiles_or_is_refused_with_a_request_error(engi
             refused += 1
     assert compiled + refused >= 235
     assert compiled >= 0.9 * (compiled + refused)
+
+
+# ---- llguidance: the guidance backend, and xgrammar's fallback under auto -----------------
+@pytest.fixture(scope="module")
+def guided(model_fp32, tok):
+    grammars = Grammars(lambda: tok, model_fp32.config.vocab_size, eos_token_ids(ZOO),
+                        backend="guidance")
+    return LLMEngine(model_fp32, EngineConfig(kv_cache_bytes=64 << 20, max_num_seqs=8),
+                     eos_token_ids=eos_token_ids(ZOO), grammars=grammars)
+
+
+def test_the_guidance_backend_decodes_every_form(guided, tok):
+    ids = chat_ids(tok, "Describe Paris as JSON.")
+    choice = request(structured_outputs={"choice": ["yes", "no"]}).structured_spec()
+    specs = [StructuredSpec("json_schema", json.dumps(CITY)), choice,
+             StructuredSpec("regex", r"[0-9]{3}-[0-9]{4}"),
+             StructuredSpec("grammar", 'root ::= "(" [a-z]+ ")"'),
+             StructuredSpec("json_object")]
+    assert {guided.grammars.compile(s).backend for s in specs} == {"guidance"}
+    seqs = guided.generate([ids] * len(specs), [params(s, 40) for s in specs])
+    texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+    assert seqs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(texts[0]), CITY)
+    assert texts[1] in ("yes", "no")
+    assert len(texts[2]) == 8 and texts[2][3] == "-" and texts[2].replace("-", "").isdigit()
+    assert texts[3].startswith("(") and (seqs[3].finish_reason == "length"
+                                         or texts[3].endswith(")"))
+    assert texts[4].startswith("{")
+    assert guided.blocks.num_free == guided.blocks.num_blocks
+
+
+def test_the_guidance_backend_forces_tool_calls(guided, tok):
+    from services.gateway.tools import FORMATS
+
+    functions = [{"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city"], "additionalProperties": False,
+        "properties": {"city": {"type": "string", "maxLength": 20}}}}]
+    spec = FORMATS["hermes"].grammar(functions, parallel=True)
+    ids = chat_ids(tok, "What is the weather in Paris?")
+    seq = guided.generate([ids], params(spec, 60))[0]
+    text = tok.decode(seq.output_ids, skip_special_tokens=True)
+    _, calls = FORMATS["hermes"].parse(text, {"get_weather"})
+    assert calls and all(c.name == "get_weather" for c in calls), text
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), functions[0]["parameters"])
+
+
+def test_auto_falls_back_to_guidance_and_a_spec_neither_compiles_names_both(engine, tok):
+    lark = 'start: "yes" | "no"'                    # Lark: xgrammar reads only EBNF
+    compiled = engine.grammars.compile(StructuredSpec("grammar", lark))
+    assert compiled.backend == "guidance"
+    assert engine.grammars.compile(StructuredSpec("regex", "(red|blue)")).backend == "xgrammar"
+    # rows of both backends in one batch: one bitmask, each row filled by its own
+    ids = chat_ids(tok, "Is the sky blue? Answer yes or no.")
+    seqs = engine.generate([ids, ids], [params(StructuredSpec("grammar", lark), 8),
+                                        params(StructuredSpec("regex", "(red|blue)"), 8)])
+    texts = [tok.decode(s.output_ids, skip_special_tokens=True) for s in seqs]
+    assert texts[0] in ("yes", "no") and texts[1] in ("red", "blue")
+    with pytest.raises(RequestError) as err:
+        engine.grammars.compile(StructuredSpec("regex", "(unclosed", "structured_outputs.regex"))
+    message = str(err.value)
+    assert err.value.field == "structured_outputs.regex"
+    assert "xgrammar: " in message and "guidance: " in message
