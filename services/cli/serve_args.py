@@ -371,6 +371,15 @@ class ServeArgs:
         return self.threads or (1 if self.uses_cluster else max(1, usable_cores() - 1))
 
     @property
+    def prefill_threads(self) -> int | None:
+        """A step that prefills takes every core (the embedded engine, --threads not
+        given): its products are large, the front end waits meanwhile, and a short prompt's
+        first token came 1.4x sooner on 2 threads than on 1."""
+        if self.threads is not None or self.uses_cluster or usable_cores() <= self.torch_threads:
+            return None
+        return usable_cores()
+
+    @property
     def kv_cache_bytes(self) -> int:
         return int(self.kv_cache_gib * (1 << 30))
 
@@ -400,7 +409,8 @@ class ServeArgs:
                              reuse_filled=self.reuse_filled, replay_ratio=self.replay_ratio,
                              compile_decode=self.compile, quantization=self.quantization,
                              speculative=self.speculative(),
-                             structured_backend=self.structured_outputs_backend)
+                             structured_backend=self.structured_outputs_backend,
+                             prefill_threads=self.prefill_threads)
 
     def speculative(self) -> NgramConfig | None:
         """--speculative-config as the engine takes it; a malformed value raises

@@ -37,6 +37,7 @@ class EngineOptions:
     quantization: str | None = None           # --quantization int8 (applied where loaded)
     speculative: NgramConfig | None = None    # --speculative-config: n-gram drafts
     structured_backend: str = "auto"          # --structured-outputs-backend
+    prefill_threads: int | None = None        # torch threads of a prefilling step
 
     def __post_init__(self):
         TailReplayConfig(self.replay_ratio)   # refuse a bad flag before loading anything
@@ -98,7 +99,8 @@ def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                                            kv_cache_bytes=options.kv_cache_bytes,
                                            compile_decode=options.compile_decode,
                                            compile_in_background=True,
-                                           speculative=options.speculative),
+                                           speculative=options.speculative,
+                                           prefill_threads=options.prefill_threads),
                        eos_token_ids=eos_token_ids(model_dir), prefill_service=service,
                        prefix_cache=cache, replay_ratio=options.replay_ratio,
                        grammars=grammars)

@@ -20,6 +20,7 @@ export's logits. A request's prefill fields are resolved once, in `validate`.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -63,11 +64,32 @@ class EngineConfig:
     compile_in_background: bool = False  # build the graphs while steps run eagerly
     remote_prefill_timeout_s: float = 600.0   # a prompt prefilled elsewhere fails after this
     speculative: NgramConfig | None = None   # n-gram speculative decoding (`speculative`)
+    # torch threads for a step that prefills at least PREFILL_ROWS prompt rows (None: the
+    # process's, as for every other step): a prefill's products are large enough that
+    # another core pays, where a decode step's many small ones stall on a preempted thread
+    prefill_threads: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+PREFILL_ROWS = 16
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """`n` torch threads inside (None: unchanged)."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class LLMEngine:
@@ -329,8 +351,11 @@ class LLMEngine:
         inner = SchedulerOutput(out.decode, [c for c in out.prefill if c.logits is None], [])
         sampled = None
         if not inner.empty:
+            prefill_rows = sum(c.length for c in inner.prefill)
             try:
-                sampled = self.runner.execute(inner, self._sampling_rows(inner))
+                with torch_threads(self.config.prefill_threads
+                                   if prefill_rows >= PREFILL_ROWS else None):
+                    sampled = self.runner.execute(inner, self._sampling_rows(inner))
             except Exception as exc:  # a failed step fails only the requests in it
                 log.exception("engine step failed")
                 failed += [self._fail(c.seq, f"{type(exc).__name__}: {exc}")

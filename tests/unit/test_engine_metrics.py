@@ -68,3 +68,33 @@ def test_preemptions_and_step_tokens_are_what_the_scheduler_scheduled(tiny_check
             if name == "splitstack_cache_config_info" and v == 1]
     assert info == [(("block_size", "4"), ("max_num_seqs", "4"), ("num_blocks", "16"))]
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_prefilling_steps_run_on_the_prefill_threads(tiny_checkpoint):
+    """EngineConfig.prefill_threads: a step with at least PREFILL_ROWS prompt rows runs on
+    them, a decode step on the process's threads, which are back after each step."""
+    from services.engine.engine import PREFILL_ROWS
+
+    path, _ = tiny_checkpoint("llama3")
+    engine = LLMEngine(load_model(path), EngineConfig(block_size=4, num_blocks=64,
+                                                     max_num_seqs=4, prefill_threads=2))
+    seen = []
+    execute = engine.runner.execute
+
+    def recorded(out, rows):
+        seen.append((sum(c.length for c in out.prefill), torch.get_num_threads()))
+        return execute(out, rows)
+
+    engine.runner.execute = recorded
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine.generate([list(range(1, PREFILL_ROWS + 4)), [5, 6, 7]],
+                        GenerationParams(max_tokens=3, ignore_eos=True))
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert after == 1
+    assert seen[0] == (PREFILL_ROWS + 3 + 3, 2)                  # both prompts: 2 threads
+    assert all(threads == 1 for rows, threads in seen[1:] if rows < PREFILL_ROWS)
+    assert len(seen) > 1

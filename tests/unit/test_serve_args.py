@@ -49,7 +49,10 @@ def test_no_flags_are_the_defaults():
     assert not args.uses_cluster and args.torch_threads == max(1, usable_cores() - 1)
     assert args.dtype == "auto" and args.api_key is None
     assert args.torch_dtype is (torch.bfloat16 if cpu_native_bf16() else torch.float32)
-    assert args.engine_options() == EngineOptions(prefill=PrefillConfig())
+    cores = usable_cores()
+    assert args.engine_options() == EngineOptions(
+        prefill=PrefillConfig(), prefill_threads=cores if cores > args.torch_threads else None)
+    assert ServeArgs(threads=1).engine_options().prefill_threads is None    # --threads: all
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
