@@ -73,7 +73,7 @@ def test_structured_outputs_choice_and_regex(base):
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
      "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
 ])
 def test_what_cannot_compile_is_a_400_naming_the_field(base, extra, param):
     with pytest.raises(openai.BadRequestError) as err:
