@@ -326,43 +326,43 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
         return _response(rid, req, list(output), status, reason, fan.prompt_tokens, n,
                          created, gateway.model_name, count_tokens(gateway, thinking))
 
-    def close_thought(status: str):
-        nonlocal thought_item
-        if thought_item is None:
-            return
-        item_id, index, text = thought_item["id"], thought_item["index"], thought_item["text"]
-        yield event(wire.ResponseReasoningTextDoneEvent(
-            type="response.reasoning_text.done", item_id=item_id, output_index=index,
-            content_index=0, text=text, sequence_number=next(seq)))
-        yield event(wire.ResponseContentPartDoneEvent(
-            type="response.content_part.done", item_id=item_id, output_index=index,
-            content_index=0, part={"type": "reasoning_text", "text": text},
-            sequence_number=next(seq)))
-        item = _reasoning(item_id, text, status)
-        output.append(item)
-        yield event(wire.ResponseOutputItemDoneEvent(
-            type="response.output_item.done", output_index=index, item=item,
-            sequence_number=next(seq)))
-        thought_item = None
+    def opened(prefix: str, make, part: dict) -> tuple[dict, list[str]]:
+        """A new item (`make(id, text, status)`) at the next index, and the events that
+        open it and its one content part."""
+        item = {"id": prefix + uuid.uuid4().hex, "index": len(output), "text": ""}
+        return item, [
+            event(wire.ResponseOutputItemAddedEvent(
+                type="response.output_item.added", output_index=item["index"],
+                item=make(item["id"], "", "in_progress"), sequence_number=next(seq))),
+            event(wire.ResponseContentPartAddedEvent(
+                type="response.content_part.added", item_id=item["id"],
+                output_index=item["index"], content_index=0, part=part,
+                sequence_number=next(seq)))]
 
-    def close_text(status: str):
-        nonlocal text_item
-        if text_item is None:
-            return
-        item_id, index, text = text_item["id"], text_item["index"], text_item["text"]
-        part = wire.ResponseOutputText(type="output_text", text=text, annotations=[])
-        yield event(wire.ResponseTextDoneEvent(
-            type="response.output_text.done", item_id=item_id, output_index=index,
-            content_index=0, text=text, sequence_number=next(seq), logprobs=[]))
-        yield event(wire.ResponseContentPartDoneEvent(
-            type="response.content_part.done", item_id=item_id, output_index=index,
-            content_index=0, part=part, sequence_number=next(seq)))
-        message = _message(item_id, text, status)
-        output.append(message)
-        yield event(wire.ResponseOutputItemDoneEvent(
-            type="response.output_item.done", output_index=index, item=message,
-            sequence_number=next(seq)))
-        text_item = None
+    def closed(item: dict | None, make, status: str) -> list[str]:
+        """The events that close an open item (none for None); the item joins `output`."""
+        if item is None:
+            return []
+        item_id, index, text = item["id"], item["index"], item["text"]
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        if make is _reasoning:
+            done = wire.ResponseReasoningTextDoneEvent(
+                type="response.reasoning_text.done", text=text, sequence_number=next(seq),
+                **where)
+            part = {"type": "reasoning_text", "text": text}
+        else:
+            done = wire.ResponseTextDoneEvent(
+                type="response.output_text.done", text=text, sequence_number=next(seq),
+                logprobs=[], **where)
+            part = {"type": "output_text", "text": text, "annotations": []}
+        finished = make(item_id, text, status)
+        output.append(finished)
+        return [event(done), event(wire.ResponseContentPartDoneEvent(
+                    type="response.content_part.done", part=part, sequence_number=next(seq),
+                    **where)),
+                event(wire.ResponseOutputItemDoneEvent(
+                    type="response.output_item.done", output_index=index, item=finished,
+                    sequence_number=next(seq)))]
 
     try:
         yield event(wire.ResponseCreatedEvent(type="response.created", response=shell(
@@ -374,43 +374,30 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
             thought, text, _ = answer.feed(delta.text, delta.reason is not None)
             if thought:
                 thinking += thought
-                for piece in close_text("completed"):    # (a parser sends thinking first)
+                for piece in closed(text_item, _message, "completed"):   # thinking comes first
                     yield piece
+                text_item = None
                 if thought_item is None:
-                    thought_item = {"id": "rs_" + uuid.uuid4().hex, "index": len(output),
-                                    "text": ""}
-                    yield event(wire.ResponseOutputItemAddedEvent(
-                        type="response.output_item.added", output_index=thought_item["index"],
-                        item=_reasoning(thought_item["id"], "", "in_progress"),
-                        sequence_number=next(seq)))
-                    yield event(wire.ResponseContentPartAddedEvent(
-                        type="response.content_part.added", item_id=thought_item["id"],
-                        output_index=thought_item["index"], content_index=0,
-                        part={"type": "reasoning_text", "text": ""},
-                        sequence_number=next(seq)))
+                    thought_item, events = opened("rs_", _reasoning,
+                                                  {"type": "reasoning_text", "text": ""})
+                    for piece in events:
+                        yield piece
                 thought_item["text"] += thought
                 yield event(wire.ResponseReasoningTextDeltaEvent(
                     type="response.reasoning_text.delta", item_id=thought_item["id"],
                     output_index=thought_item["index"], content_index=0, delta=thought,
                     sequence_number=next(seq)))
-            if (text or answer.called) and thought_item is not None:
-                for piece in close_thought("completed"):    # the answer began
+            if text or answer.called:                                  # the answer began
+                for piece in closed(thought_item, _reasoning, "completed"):
                     yield piece
+                thought_item = None
             if text:
                 content += text
                 if text_item is None:
-                    text_item = {"id": "msg_" + uuid.uuid4().hex, "index": len(output),
-                                 "text": ""}
-                    yield event(wire.ResponseOutputItemAddedEvent(
-                        type="response.output_item.added", output_index=text_item["index"],
-                        item=_message(text_item["id"], "", "in_progress"),
-                        sequence_number=next(seq)))
-                    yield event(wire.ResponseContentPartAddedEvent(
-                        type="response.content_part.added", item_id=text_item["id"],
-                        output_index=text_item["index"], content_index=0,
-                        part=wire.ResponseOutputText(type="output_text", text="",
-                                                     annotations=[]),
-                        sequence_number=next(seq)))
+                    text_item, events = opened("msg_", _message, {
+                        "type": "output_text", "text": "", "annotations": []})
+                    for piece in events:
+                        yield piece
                 text_item["text"] += text
                 yield event(wire.ResponseTextDeltaEvent(
                     type="response.output_text.delta", item_id=text_item["id"],
@@ -418,16 +405,16 @@ async def _events(gateway: Gateway, store: ResponseStore, req: ResponsesRequest,
                     sequence_number=next(seq), logprobs=[]))
             new_calls = answer.tools.calls[len(calls):] if answer.tools else []
             if new_calls:
-                for piece in close_text("completed"):
+                for piece in closed(text_item, _message, "completed"):
                     yield piece
+                text_item = None
                 for call in new_calls:
                     calls.append(call)
                     for piece in _call_events(call, len(output), seq, event):
                         yield piece
                     output.append(_call("fc_" + call.id.removeprefix("call_"), call))
-        for piece in close_thought(_status(reason)):
-            yield piece
-        for piece in close_text(_status(reason)):
+        for piece in (closed(thought_item, _reasoning, _status(reason))
+                      + closed(text_item, _message, _status(reason))):
             yield piece
         if all(o.type == "reasoning" for o in output):    # no text and no call
             output.append(_message("msg_" + uuid.uuid4().hex, "", _status(reason)))
