@@ -194,7 +194,7 @@ def kv_in_use(base: str, token: str | None) -> dict[str, float]:
     """What each engine holds once idle: each attention service's blocks in use (its
     Stats over gRPC, with the deployment's token), or the embedded engine's share of
     blocks in use (/metrics; 0 exactly when it holds none)."""
-    services = [k.split('service="')[1].split('"')[0]
+    services = [k.split('member="')[1].split('"')[0]
                 for k in metric(base, "splitstack_attention_up")]
     if not services:
         return {"embedded (share)": metric(base, "splitstack_kv_cache_usage_ratio")[""]}

@@ -39,7 +39,10 @@ def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ra
                                stats.metrics, re.M)
             assert stages and float(stages.group(1)) > 0
         else:                         # the pool replicas export theirs themselves
-            assert stats.metrics == ""
+            assert "splitstack_pool_stage_seconds" not in stats.metrics
+        # the engine's own series, from the attention service's process
+        assert re.search(r"^splitstack_iteration_tokens_count (\S+)$", stats.metrics, re.M)
+        assert "splitstack_num_preemptions_total" in stats.metrics
     finally:
         cluster.shutdown()
 

@@ -129,10 +129,12 @@ def test_commands_queued_at_the_death_are_answered(engine):
 
 
 def test_embedded_backend_fails_streams_with_an_error_output_and_reports_dead(engine):
-    backend = EngineBackend(engine, FaultPlan.parse("engine_step:5"))
+    # late enough that all four are in flight however the steps and the submits interleave
+    backend = EngineBackend(engine, FaultPlan.parse("engine_step:40"))
 
     async def run():
-        queues = [(await backend.submit(p, LONG))[1] for p in prompts(4)]
+        queues = [q for _, q in await asyncio.gather(*(backend.submit(p, LONG)
+                                                        for p in prompts(4)))]
         ends = []
         for q in queues:
             while not (out := await asyncio.wait_for(q.get(), 60)).finished:
