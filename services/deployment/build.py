@@ -77,8 +77,8 @@ def grammars_for(model_dir: str | Path, vocab_size: int, registry=None,
 def build_engine(model: CausalLM, model_dir: str | Path, options: EngineOptions,
                  registry, structured: bool = True) -> tuple[LLMEngine, PrefillService | None]:
     """-> (engine, its RidgeFill prefill service or None). The engine's, the prefill and
-    the prefix-cache metrics go into `registry`; `model` is already quantized as `options.quantization` says
-    (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
+    the prefix-cache metrics go into `registry`; `model` is already quantized as
+    `options.quantization` says (`load_model(...).quantize(...)`, where it is loaded); the prefix cache is keyed by the
     model's fingerprint and dtype, so replicas of one checkpoint share Redis entries and
     other checkpoints never see them. `structured`: the engine takes structured-output
     requests (its grammars compile with the model's tokenizer, loaded on first use); a

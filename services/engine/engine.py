@@ -81,8 +81,8 @@ PREFILL_ROWS = 16
 @contextlib.contextmanager
 def torch_threads(n: int | None):
     """`n` torch threads inside (None: unchanged)."""
-    before = torch.get_num_threads()
-    if n is None or n == before:
+    before = None if n is None else torch.get_num_threads()
+    if n is None or n == before:           # every decode step: nothing to change
         yield
         return
     torch.set_num_threads(n)

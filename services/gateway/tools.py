@@ -334,13 +334,11 @@ class ToolStream:
         """The streamed call's block is complete: the rest of its arguments (none given:
         `{}`, as a whole answer has)."""
         call = self.format._call(body, self.names, self.open.id)
-        args = call.arguments if call is not None else self.open.sent
-        chunks = []
-        if args.startswith(self.open.sent) and len(args) > len(self.open.sent):
-            chunks.append({"index": self.open.index,
-                           "function": {"arguments": args[len(self.open.sent):]}})
-        else:
-            args = self.open.sent if self.open.sent else args
+        sent = self.open.sent
+        args = (call.arguments if call is not None and call.arguments.startswith(sent)
+                else sent)                   # what was sent stands
+        chunks = ([{"index": self.open.index, "function": {"arguments": args[len(sent):]}}]
+                  if len(args) > len(sent) else [])
         self.calls.append(ToolCall(self.open.id, self.open.name, args))
         self.open = None
         return chunks
