@@ -1,5 +1,7 @@
 """The server's own counters over a sweep point, without Prometheus: `GET /metrics`
-(Prometheus text format, which splitstack and vLLM serve) before and after the point, and
+(Prometheus text format, which splitstack and vLLM serve), and that of each member a
+splitstack Ray deployment lists for discovery (`GET /admin/scrape-targets`, as Prometheus
+finds them), before and after the point, and
 the increase of every splitstack_* and vllm:* counter between the two, histograms'
 `_sum` and `_count` included (their buckets left out). A counter that went down was
 reset (the server restarted): its increase is its value after, as Prometheus's
@@ -48,12 +50,26 @@ def base(name: str, suffix: str) -> str | None:
 
 
 def scrape(url: str, headers: dict, timeout: float = 10.0) -> dict[str, float] | None:
-    """The counters at `url`/metrics now; None when the server has no such route."""
+    """The counters at `url`/metrics now, with its members' (each series of theirs carries
+    a `member` label); None when the server has no such route. A member that does not
+    answer within 2 s (out of reach from where the load runs, say) is left out."""
     try:
         r = httpx.get(url + "/metrics", headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            return None
+        out = parse_counters(r.text)
+        sd = httpx.get(url + "/admin/scrape-targets", headers=headers, timeout=timeout)
     except httpx.HTTPError:
         return None
-    return parse_counters(r.text) if r.status_code == 200 else None
+    groups = sd.json() if sd.status_code == 200 else []       # other servers: no members
+    for member in (t for g in groups for t in g["targets"]):
+        try:
+            m = httpx.get(f"http://{member}/metrics", timeout=min(timeout, 2.0))
+        except httpx.HTTPError:
+            continue
+        if m.status_code == 200:
+            out.update(parse_counters(m.text))
+    return out
 
 
 def increase(before: dict[str, float] | None,

@@ -1,9 +1,9 @@
 """The four splitstack dashboards (Overview, Pools, Prefix cache, RidgeFill) as code;
 `deploy/grafana/generate.py` writes them to JSON.
 
-Every query reads series the gateway's /metrics exports (docs/metrics.md): in the Ray
-deployment the per-replica series carry a `member` label (the replica's address), the
-gateway's own series do not. Tags say where a dashboard has data: `embedded`, `ray`."""
+Every query reads series of docs/metrics.md: the gateway's own, and in the Ray deployment
+each member's (scraped where it runs, with the gateway's `job`), which carry a `member`
+label (the replica's address). Tags say where a dashboard has data: `embedded`, `ray`."""
 from __future__ import annotations
 
 from deploy.grafana.panels import (Annotation, Panel, dashboard, heatmap_targets, increase,

@@ -10,8 +10,9 @@ taken out of routing until a health check (`Health`) answers again, and each req
 owned migrates: it is sent again, with the tokens streamed so far, to a live service, which
 prefills prompt and tokens and goes on as the uninterrupted run would.
 
-The members' metrics and the pool and prefill replicas' membership are the deployment's
-(`services.deployment.members`), which `refresh` hands the stats it polls.
+The members export their own metrics where they run (`services.common.member_metrics`); the
+gateway's view of them is this client's load figures (`refresh`, polled in the background)
+and the pool manager's (`services.deployment.pools`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import logging
 import time
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.codec import params_to_proto, prompt_logprobs_from
 from services.common.grpc_security import INSECURE, GrpcSecurity
@@ -66,21 +67,18 @@ def _stage_times(ev: pb.GenerateEvent) -> dict:
 
 
 class AttentionClient(EngineClient):
-    poll_interval_s = 2.0   # the members' stats and metrics, polled beside the scrapes
+    poll_interval_s = 2.0   # the services' load, polled beside the scrapes
     RECHECK_S = 5.0      # a failed service is probed again after this long
     MAX_MIGRATIONS = 3   # times one request may move to another attention service
 
-    def __init__(self, addresses: list[str], registry=None, security: GrpcSecurity = INSECURE,
-                 members=None):
-        """`registry`: where the migration counter and pause histogram go (the gateway's).
-        `security`: the token every call carries, and TLS. `members`: what keeps the
-        members' metrics (`observe(services, polled)` after each `refresh`, `forget(kind,
-        address)` when a service left)."""
-        self.security, self.members = security, members
-        self.set = ReplicaSet(list(addresses), lambda a: Channel(a, security), self._closed,
-                              "attention service")
+    def __init__(self, addresses: list[str], registry=None, security: GrpcSecurity = INSECURE):
+        """`registry`: where the migration counter, the pause histogram and the poll's
+        time go (the gateway's). `security`: the token every call carries, and TLS."""
+        self.security = security
+        self.set = ReplicaSet(list(addresses), lambda a: Channel(a, security),
+                              what="attention service")
         self._left: list[Replica[Channel]] = []     # out of routing, streams still going
-        self.migrations = self.migration_pause = None
+        self.migrations = self.migration_pause = self.polled = None
         if registry is not None:
             self.migrations = Counter(
                 "splitstack_migrations", "Requests moved to another attention service and "
@@ -91,6 +89,9 @@ class AttentionClient(EngineClient):
                 "splitstack_migration_pause_seconds", "A migrated request's last token "
                 "before the move to its first token after it", registry=registry,
                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+            self.polled = Gauge("splitstack_members_polled_timestamp_seconds", "When the "
+                                "last finished poll of the attention services' load began "
+                                "(Unix time)", registry=registry)
         self.calls: dict[int, grpc.aio.UnaryStreamCall] = {}
         self._aborted: set[int] = set()   # ids the gateway aborted: never migrated
         self._ids = itertools.count()
@@ -263,11 +264,6 @@ class AttentionClient(EngineClient):
         return sum(r.inflight for r in (*self.set.replicas, *self._left)
                    if r.address == address)
 
-    def _closed(self, ch: Channel) -> None:
-        """A service that left routing ended its last stream."""
-        if self.members is not None:
-            self.members.forget("attention", ch.address)
-
     def abort(self, seq_id: int) -> None:
         self._aborted.add(seq_id)
         call = self.calls.get(seq_id)
@@ -305,9 +301,8 @@ class AttentionClient(EngineClient):
         self._usage = max((s.kv_usage for s in stats), default=0.0)
         self._waiting = sum(s.waiting for s in stats)
         self._running = sum(s.running for s in stats)
-        if self.members is not None:
-            await self.members.observe({r.address: r.conn.down_since is None
-                                        for r in self.set.replicas}, polled, began)
+        if self.polled is not None:
+            self.polled.set(began)
         return stats
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 import grpc
-from prometheus_client import generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernels.sampling import SamplingError
 from services.common import sigterm
@@ -58,9 +58,27 @@ class AttentionServicer(pb_grpc.AttentionServicer):
     (exact, RidgeFill, prefix cache) before its request is submitted, else here."""
 
     def __init__(self, loop: StepLoop, name: str, transport: str,
-                 prefill: PrefillClient | None = None, registry=None):
+                 prefill: PrefillClient | None = None, metrics_port: int = 0):
         self.loop, self.name, self.transport, self.prefill = loop, name, transport, prefill
-        self.registry = registry      # this process's metrics: its engine's, an in-process pool's
+        self.metrics_port = metrics_port
+
+    def collect(self):
+        """The service's own series, read when its /metrics is scraped."""
+        engine = self.loop.engine
+        for name, doc, value in (
+                ("kv_cache_usage_ratio", "Fraction of KV blocks in use, fullest shard",
+                 engine.kv_usage),
+                ("requests_running", "Requests decoding on the attention service",
+                 len(engine.scheduler.running)),
+                ("requests_waiting", "Requests waiting for KV on the attention service",
+                 len(engine.scheduler.waiting))):
+            yield GaugeMetricFamily(f"splitstack_attention_{name}", doc, value=value)
+        yield CounterMetricFamily("splitstack_attention_pool_retries", "Pool calls the "
+                                  "attention service retried elsewhere",
+                                  value=engine.runner.pool.retries)
+        yield CounterMetricFamily("splitstack_attention_prefill_retries", "Prefill calls made "
+                                  "again on another prefill replica",
+                                  value=self.prefill.retries if self.prefill else 0)
 
     def Generate(self, request, context):
         prompt = list(request.prompt_ids)
@@ -113,8 +131,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                  pool_retries=runner.pool.retries, steps=self.loop.stats["steps"],
                                  wiring=runner.wiring, transport=self.transport,
                                  prefill_retries=self.prefill.retries if self.prefill else 0,
-                                 metrics=(generate_latest(self.registry).decode()
-                                          if self.registry is not None else ""),
+                                 metrics_port=self.metrics_port,
                                  draining=sigterm.draining())
 
     def Health(self, request, context):
@@ -152,17 +169,20 @@ def serve_attention(engine: LLMEngine, address: str = "127.0.0.1:0",
                     name: str = "attention-0", transport: str = "local",
                     max_workers: int = 64, prefill: PrefillClient | None = None,
                     registry=None, security: GrpcSecurity = INSECURE,
-                    faults: FaultPlan = NO_FAULTS, on_dead=None):
+                    faults: FaultPlan = NO_FAULTS, on_dead=None, metrics_port: int = 0):
     """Start the step loop and a gRPC server for it; returns (server, bound address, loop).
     Each in-flight request holds one handler thread, so `max_workers` caps concurrency.
-    `registry`: metrics of this process that `Stats` exports (the in-process pool's).
+    `registry`: this process's metrics (its engine's, an in-process pool's), to which the
+    service's own series are added; `metrics_port`: where they are served (`Stats` says).
     `security`: the token calls must carry, and TLS. `faults`: injected `engine_step`
     faults; `on_dead`: called once the engine failed stop (its requests' calls have ended
     UNAVAILABLE, so the gateway migrates them; a Ray member then exits)."""
     loop = StepLoop(engine, faults, on_dead)
     server = security.server(max_workers)
-    pb_grpc.add_AttentionServicer_to_server(
-        AttentionServicer(loop, name, transport, prefill, registry), server)
+    servicer = AttentionServicer(loop, name, transport, prefill, metrics_port)
+    if registry is not None:
+        registry.register(servicer)
+    pb_grpc.add_AttentionServicer_to_server(servicer, server)
     port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}", loop

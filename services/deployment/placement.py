@@ -131,15 +131,15 @@ class RayPlacement:
                 rows, batches = histogram_totals(st.metrics, "splitstack_pool_batch_rows")
                 return {"clients": st.clients, "calls": st.calls, "stage_s": stage_s,
                         "stage_calls": stage_calls, "rows": rows, "batches": batches,
-                        "draining": st.draining}
+                        "draining": st.draining, "metrics_port": st.metrics_port}
             if pool == "prefill":
                 st = pb_grpc.PrefillStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
                 return {"calls": st.calls, "waiting": st.waiting, "prefills": st.prefills,
-                        "draining": st.draining}
+                        "draining": st.draining, "metrics_port": st.metrics_port}
             st = pb_grpc.AttentionStub(channel).Stats(pb.Empty(), timeout=RPC_TIMEOUT_S)
             return {"running": st.running, "waiting": st.waiting,
                     "kv_usage": round(st.kv_usage, 4), "steps": st.steps,
-                    "draining": st.draining}
+                    "draining": st.draining, "metrics_port": st.metrics_port}
         except grpc.RpcError as err:
             raise OSError(f"{address}: {err.code().name}") from err
 

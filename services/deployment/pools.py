@@ -84,8 +84,6 @@ class Routing(Protocol):
 
     def set_addresses(self, addresses: list[str]) -> None: ...
 
-    def set_peers(self, prefill_addresses: list[str], pool_addresses: list[str]) -> None: ...
-
     def in_flight(self, address: str) -> int: ...
 
 
@@ -96,6 +94,7 @@ class Member:
     handle: object
     state: str = "pending"
     address: str = ""
+    metrics_port: int = 0               # its /metrics, on its address's host (0: not known)
     load: dict = field(default_factory=dict)
     since: float = field(default_factory=time.monotonic)     # when it entered `state`
     unanswered: int = 0                 # load polls in a row that got no answer
@@ -112,6 +111,17 @@ class PoolMetrics:
         self.scale_events = Counter("splitstack_scale_events_total", "Changes of a pool's "
                                     "desired size (reason: admin or autoscale)",
                                     ["pool", "direction", "reason"], registry=registry)
+        self.up = {pool: Gauge(f"splitstack_{PREFIX[pool]}_up", f"1 while the {pool} member "
+                               "answers the gateway's polls (one a second), else 0",
+                               ["member"], registry=registry) for pool in POOLS}
+        self.members_up: set[tuple[str, str]] = set()      # the (pool, member) series
+
+    def export_up(self, up: dict[tuple[str, str], bool]) -> None:
+        for pool, address in self.members_up - up.keys():
+            self.up[pool].remove(address)
+        for (pool, address), answers in up.items():
+            self.up[pool].labels(address).set(answers)
+        self.members_up = set(up)
 
 
 class PoolManager:
@@ -198,6 +208,15 @@ class PoolManager:
     def view(self) -> dict:
         return {"object": "list", "data": [self._pool_view(p) for p in POOLS]}
 
+    def scrape_targets(self) -> list[dict]:
+        """The members serving /metrics, in Prometheus' HTTP service discovery format:
+        one target group per member, labelled with its pool."""
+        with self._lock:
+            return [{"targets": [f"{m.address.rsplit(':', 1)[0]}:{m.metrics_port}"],
+                     "labels": {"pool": pool}}
+                    for pool in POOLS for m in self.members[pool]
+                    if m.address and m.metrics_port]
+
     def _pool_view(self, pool: str) -> dict:
         now = time.monotonic()
         with self._lock:
@@ -253,11 +272,15 @@ class PoolManager:
             return
         with self._lock:
             counts = {(p, s): 0 for p in POOLS for s in STATES}
+            up = {}
             for pool in POOLS:
                 for m in self.members[pool]:
                     counts[pool, m.state] += 1
+                    if m.state in ("ready", "draining"):
+                        up[pool, m.address] = m.unanswered == 0
         for (pool, state), n in counts.items():
             self.metrics.replicas.labels(pool, state).set(n)
+        self.metrics.export_up(up)
 
     def _autoscale(self) -> None:
         """One autoscaler window: what each ready member did since the last (the change of
@@ -373,7 +396,6 @@ class PoolManager:
             except OSError as err:        # a dead service: the gateway routes around it
                 log.warning("pool membership: %s did not take its peers: %s", address, err)
         self.routing.set_addresses(ready["attention"])
-        self.routing.set_peers(ready["prefill"], ready["mlp"])
         self._published = routed
 
     def _finish_drains(self, pool: str) -> None:
@@ -415,8 +437,9 @@ class PoolManager:
         if m.pool == "attention":
             load["in_flight"] = self.routing.in_flight(m.address)
         told_to_leave = load.pop("draining", False)
+        metrics_port = load.pop("metrics_port", 0)
         with self._lock:
-            m.load = load
+            m.load, m.metrics_port = load, metrics_port
             if told_to_leave and m.state == "ready":
                 m.enter("draining")       # out of routing now; `_resize` places a successor
                 log.warning("pool %s: %s got SIGTERM: draining it, placing a replacement",

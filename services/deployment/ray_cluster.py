@@ -160,6 +160,9 @@ class PoolReplica:
                  host: str = "127.0.0.1", use_gpu: bool = False,
                  security: GrpcSecurity = INSECURE, drain_timeout_s: float = 30.0,
                  quantization: str | None = None, fault_inject: str = ""):
+        from prometheus_client import CollectorRegistry
+
+        from services.common.member_metrics import MemberExporter
         from services.mlp_pool import MLPPool
         from services.mlp_pool.grpc_server import serve_pool
 
@@ -173,11 +176,14 @@ class PoolReplica:
             from services.common.nccl_transport import NcclEndpoint
 
             self.nccl = NcclEndpoint()
+        registry = CollectorRegistry()
+        self.metrics = MemberExporter(registry, host)
         self.server, bound = serve_pool(self.pool, f"{host}:0", nccl=self.nccl,
                                         security=security,
                                         faults=FaultPlan.parse(fault_inject, name),
-                                        on_dead=lambda why: exit_soon(name, why))
-        self.addr = _advertised(bound)
+                                        on_dead=lambda why: exit_soon(name, why),
+                                        registry=registry, metrics_port=self.metrics.port)
+        self.addr = self.metrics.member = _advertised(bound)
 
     def address(self) -> str:
         return self.addr
@@ -205,6 +211,7 @@ class PrefillReplica:
         from prometheus_client import CollectorRegistry
 
         from models import load_model
+        from services.common.member_metrics import MemberExporter
         from services.deployment.build import build_engine
         from services.prefill.server import serve_prefill
 
@@ -221,11 +228,12 @@ class PrefillReplica:
             from services.common.nccl_transport import NcclEndpoint
 
             self.nccl = NcclEndpoint()
+        self.metrics = MemberExporter(registry, c.host)
         self.server, bound, self.loop = serve_prefill(
             self.engine, registry, f"{c.host}:0", name, nccl=self.nccl,
             security=c.security, faults=FaultPlan.parse(c.fault_inject, name),
-            on_dead=lambda dead: exit_soon(name, str(dead)))
-        self.addr = _advertised(bound)
+            on_dead=lambda dead: exit_soon(name, str(dead)), metrics_port=self.metrics.port)
+        self.addr = self.metrics.member = _advertised(bound)
         self.name = name
 
     def address(self) -> str:
@@ -255,6 +263,7 @@ class AttentionReplica:
                  prefill_addresses: list[str] | None = None, prefills: list | None = None):
         from services.attention.runner import qfirst_engine
         from services.attention.server import serve_attention
+        from services.common.member_metrics import MemberExporter
         from services.common.tokenizer import eos_token_ids
         from services.deployment.transports import make_transport
         from services.deployment.build import build_prefill_service
@@ -303,6 +312,7 @@ class AttentionReplica:
                                     grammars=grammars_for(c.model, cfg.vocab_size,
                                                           backend=c.prefill.structured_backend))
         registry.register(EngineCollector(self.engine))
+        self.metrics = MemberExporter(registry, c.host)
         prefill = None
         if prefill_addresses:
             from services.prefill.client import PrefillClient
@@ -323,8 +333,8 @@ class AttentionReplica:
             self.engine, f"{c.host}:0", name=name, transport=c.transport, prefill=prefill,
             registry=registry, security=c.security,
             faults=FaultPlan.parse(c.fault_inject, name),
-            on_dead=lambda dead: exit_soon(name, str(dead)))
-        self.addr = _advertised(bound)
+            on_dead=lambda dead: exit_soon(name, str(dead)), metrics_port=self.metrics.port)
+        self.addr = self.metrics.member = _advertised(bound)
         self.name = name
 
     def address(self) -> str:

@@ -114,8 +114,7 @@ def build_cluster(config, address: str | None = None, served_name: str | None = 
     # the autoscaler targets (both from --slo-ttft-ms and --slo-itl-ms)
     metrics = GatewayMetrics(objectives=objectives)
     backend, routing = cluster_client(cluster.attention_addresses, metrics.registry,
-                                      config.security, cluster.prefill_addresses,
-                                      cluster.pool_addresses)
+                                      config.security)
     gateway = Gateway(backend, load_tokenizer(model_dir), served_name or model_dir.name,
                       cluster.max_model_len, default_temperature(model_dir), metrics=metrics,
                       chat_template=chat_template, tool_call_parser=tool_call_parser,

@@ -77,7 +77,7 @@ class EngineProcess(EngineClient):
             self.proc.wait(10)
             raise RuntimeError(f"the engine process could not start: {info}")
         self.info: dict = info                  # max_model_len, ...
-        self.metrics = ReExported(label=None)
+        self.metrics = ReExported()
         if registry is not None:
             registry.register(self.metrics)
         self._send_lock = threading.Lock()

@@ -4,6 +4,9 @@
                                           member's state, address and load
     PUT /admin/pools/{pool} {"replicas": N}   202: the pool's new count; members are placed
                                           or drained in the background (poll GET)
+    GET /admin/scrape-targets             the members serving their own /metrics, as
+                                          Prometheus' HTTP service discovery reads them
+                                          (`[]` when one embedded engine serves)
     GET /ready                            200 while serving; 503 while draining (SIGTERM) or
                                           when no engine serves or the engine is dead
                                           (`/health` is liveness)
@@ -35,7 +38,7 @@ class PoolError(ValueError):
 
 
 class PoolControl(Protocol):
-    """What the admin routes drive. Both methods return at once (no placement waits) and
+    """What the admin routes drive. Its methods return at once (no placement waits) and
     may be called from the gateway's event loop."""
 
     def view(self) -> dict:
@@ -47,6 +50,10 @@ class PoolControl(Protocol):
     def scale(self, pool: str, replicas: int) -> dict:
         """Set `pool`'s desired count; returns the pool as `view` shows it. Raises
         `PoolError`."""
+
+    def scrape_targets(self) -> list[dict]:
+        """`[{"targets": ["host:port"], "labels": {"pool": pool}}, ...]`: each ready or
+        draining member's /metrics."""
 
 
 class ScaleRequest(BaseModel):
@@ -78,6 +85,12 @@ async def scale_pool(pool: str, body: ScaleRequest, request: Request):
         return control.scale(pool, body.replicas)
     except PoolError as err:
         raise APIError(err.status, str(err), err.param, code=err.code) from err
+
+
+@router.get("/admin/scrape-targets")
+async def scrape_targets(request: Request):
+    pools = getattr(request.app.state, "pools", None)
+    return pools.scrape_targets() if pools is not None else []
 
 
 @router.get("/ready")

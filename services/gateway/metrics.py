@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily
 from prometheus_client.utils import floatToGoString
 
 # One bucket set per histogram, as vLLM has: a GPU's first token and token gaps take
@@ -160,25 +159,6 @@ def version() -> str:
         return installed("splitstack")
     except PackageNotFoundError:           # run from a checkout that was never installed
         return "unknown"
-
-
-class PolledCounter:
-    """A counter another process keeps (since it started), exported at its last polled
-    value as a counter (`<name>_total`), so that `rate()` over it is right."""
-
-    def __init__(self, name: str, doc: str, labels: list[str], registry: CollectorRegistry):
-        self.name, self.doc, self.labels = name, doc, labels
-        self.values: dict[tuple[str, ...], float] = {}
-        registry.register(self)
-
-    def set(self, labels: tuple[str, ...], value: float) -> None:
-        self.values[labels] = value
-
-    def collect(self):
-        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
-        for labels, value in sorted(self.values.items()):
-            family.add_metric(labels, value)
-        yield family
 
 
 def export_pool_limits(registry: CollectorRegistry, limits: dict[str, int]) -> None:

@@ -23,11 +23,12 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     bytes over that peer's link, and the reply's go back the same way."""
 
     def __init__(self, pool: MLPPool, nccl=None, registry=None, faults: FaultPlan = NO_FAULTS,
-                 on_dead: Callable[[str], None] | None = None):
+                 on_dead: Callable[[str], None] | None = None, metrics_port: int = 0):
         """`faults`: an injected `pool_call` fault makes this replica fail stop: every
         stream ends UNAVAILABLE (the attention services retry on another replica), later
         ones too, and `on_dead(why)` runs once (a Ray member exits)."""
         self.pool, self.nccl, self.registry = pool, nccl, registry
+        self.metrics_port = metrics_port       # where `registry` is served (HTTP)
         self.clients = 0          # open `Calls` streams (a drained replica has none)
         self.calls = 0            # calls being computed
         self.dead: str | None = None
@@ -104,28 +105,31 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
     def Stats(self, request, context):
         text = generate_latest(self.registry).decode() if self.registry is not None else ""
         return pb.ServiceMetrics(name=self.pool.name, metrics=text, clients=self.clients,
-                                 calls=self.calls, draining=sigterm.draining())
+                                 calls=self.calls, draining=sigterm.draining(),
+                                 metrics_port=self.metrics_port)
 
 
 def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 64,
                nccl=None, batching: bool = True, security: GrpcSecurity = INSECURE,
-               faults: FaultPlan = NO_FAULTS, on_dead: Callable[[str], None] | None = None):
+               faults: FaultPlan = NO_FAULTS, on_dead: Callable[[str], None] | None = None,
+               registry: CollectorRegistry | None = None, metrics_port: int = 0):
     """Start a gRPC server for `pool`; returns (server, bound address).
 
     Each client's stream holds one handler thread, so `max_workers` caps the cache-side
     clients. `batching`: concurrent calls from different clients run as one forward
     (`BatchingPool`, which also records stage latency and batch size, served by `Stats`).
     `nccl`: the replica's `NcclEndpoint`, for the nccl transport. `security`: the token
-    calls must carry, and TLS. `faults`, `on_dead`: see `PoolServicer`."""
+    calls must carry, and TLS. `faults`, `on_dead`: see `PoolServicer`. `registry`: where
+    the stage latency and batch size go (a new one if None), served at `metrics_port`."""
     from services.mlp_pool.batcher import BatchingPool
     from services.mlp_pool.metrics import PoolMetrics
 
     server = security.server(max_workers, options=[("grpc.max_send_message_length", 512 << 20),
                                                    ("grpc.max_receive_message_length", 512 << 20)])
-    registry = CollectorRegistry()
+    registry = registry if registry is not None else CollectorRegistry()
     runner = BatchingPool(pool, metrics=PoolMetrics(registry)) if batching else pool
-    pb_grpc.add_MLPPoolServicer_to_server(PoolServicer(runner, nccl, registry, faults, on_dead),
-                                          server)
+    pb_grpc.add_MLPPoolServicer_to_server(
+        PoolServicer(runner, nccl, registry, faults, on_dead, metrics_port), server)
     port = security.add_port(server, address)
     server.start()
     return server, f"{address.rsplit(':', 1)[0]}:{port}"

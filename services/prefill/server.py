@@ -29,7 +29,7 @@ import time
 
 import grpc
 import torch
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kernels.sampling import SamplingParams
 from models.config import ModelConfig
@@ -95,10 +95,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
     TRANSFER_TTL_S = 120.0
 
     def __init__(self, loop: QueueDriver, name: str, registry=None, nccl=None,
-                 faults: FaultPlan = NO_FAULTS):
+                 faults: FaultPlan = NO_FAULTS, metrics_port: int = 0):
         """`faults`: an injected `prefill` fault kills the replica's engine (fail stop: its
-        calls end UNAVAILABLE and the attention services retry on another replica)."""
-        self.loop, self.name, self.nccl = loop, name, nccl
+        calls end UNAVAILABLE and the attention services retry on another replica);
+        `metrics_port`: where `registry` is served (`Stats` says)."""
+        self.loop, self.name, self.nccl, self.metrics_port = loop, name, nccl, metrics_port
         self._fault = faults.point("prefill")
         self.registry = registry if registry is not None else CollectorRegistry()
         self.cfg: ModelConfig = loop.engine.model.config
@@ -197,11 +198,11 @@ class PrefillServicer(pb_grpc.PrefillServicer):
 
     def Stats(self, request, context):
         engine: LLMEngine = self.loop.engine
-        text = generate_latest(self.registry).decode()
         return pb.PrefillStats(name=self.name, running=len(self.loop.streams),
                                waiting=len(engine.scheduler.waiting),
                                kv_usage=engine.blocks.usage, prefills=self.prefills,
-                               metrics=text, calls=self.calls + len(self.transfers),
+                               metrics_port=self.metrics_port,
+                               calls=self.calls + len(self.transfers),
                                draining=sigterm.draining())
 
     def Health(self, request, context):
@@ -224,16 +225,17 @@ class PrefixCacheServicer(pb_grpc.PrefixCacheServicer):
 def serve_prefill(engine: LLMEngine, registry=None,
                   address: str = "127.0.0.1:0", name: str = "prefill-0", max_workers: int = 64,
                   nccl=None, security: GrpcSecurity = INSECURE, faults: FaultPlan = NO_FAULTS,
-                  on_dead=None):
+                  on_dead=None, metrics_port: int = 0):
     """Start the engine's step loop and a gRPC server for it (and for its prefix cache, if
     it has one); returns (server, bound address, loop). Each call in flight holds one
     handler thread. `nccl`: the replica's `NcclEndpoint`, for the nccl transport.
     `security`: the token calls must carry, and TLS. `faults`: injected `engine_step` and
-    `prefill` faults; `on_dead`: called once its engine failed stop (a Ray member exits)."""
+    `prefill` faults; `on_dead`: called once its engine failed stop (a Ray member exits);
+    `metrics_port`: where `registry` is served."""
     loop = QueueDriver(engine, f"{name}-steps", faults, on_dead)
     server = security.server(max_workers, options=GRPC_OPTIONS)
     pb_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(loop, name, registry, nccl, faults), server)
+        PrefillServicer(loop, name, registry, nccl, faults, metrics_port), server)
     if engine.prefix is not None:
         pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheServicer(engine.prefix.cache),
                                                   server)

@@ -5,8 +5,9 @@ pool replica, 1 prefill replica), each with the prefix cache (memory and Redis),
 maps and rate limits on, and one Prometheus (Debian's, from `make setup`) scraping both
 gateways every second with the committed scrape config and rules. A short bounded load (chat streams, shared-prefix prompts, RidgeFill
 prompts, a stream the client leaves) runs against both. Then:
-- docs/metrics.md lists exactly the series each deployment's /metrics exports (name, type,
-  labels);
+- docs/metrics.md lists exactly the series each deployment's /metrics endpoints export
+  (name, type, labels): the gateway's, and on Ray each member's own, found as Prometheus
+  finds them (the gateway's /admin/scrape-targets);
 - every panel query of every dashboard in deploy/grafana/, and every recording rule,
   returns data from Prometheus, numbers rather than NaN except where a migration is needed
   (a misspelt metric is shown to fail the same check).
@@ -148,8 +149,9 @@ def prometheus(embedded, on_ray, tmp_path_factory):
     targets = {"embedded": embedded, "ray": on_ray}
     with running_prometheus({job: base.removeprefix("http://") for job, base in targets.items()},
                             tmp_path_factory.mktemp("prometheus")) as prom:
-        # scraped before the load, so that rates see every count it adds
-        prom.wait_for("count(up == 1)", lambda r: r and float(r[0]["value"][1]) == 2)
+        # scraped before the load, so that rates see every count it adds: both gateways and
+        # the Ray deployment's 3 members, found through its /admin/scrape-targets
+        prom.wait_for("count(up == 1)", lambda r: r and float(r[0]["value"][1]) == 5)
         for job, base in targets.items():
             n = load(base)
             prom.wait_for(f'sum(splitstack_requests_finished_total{{job="{job}"}})',
@@ -180,16 +182,28 @@ def documented(deployment: str) -> dict[str, tuple[str, frozenset]]:
     return out
 
 
+def scraped(base: str) -> list[str]:
+    """The /metrics URLs of a deployment: its gateway's, and each member's it lists for
+    discovery (the Ray deployment's)."""
+    groups = httpx.get(base + "/admin/scrape-targets", timeout=30).json()
+    return [base + "/metrics"] + [f"http://{t}/metrics" for g in groups for t in g["targets"]]
+
+
 def exported(base: str) -> dict[str, tuple[str, frozenset | None]]:
-    """name -> (type, labels) of each family /metrics exports (labels None: no sample yet)."""
+    """name -> (type, labels) of each family the deployment's /metrics endpoints export
+    (labels None: no sample yet)."""
     out = {}
-    for fam in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+    families = [fam for url in scraped(base)
+                for fam in text_string_to_metric_families(httpx.get(url, timeout=30).text)]
+    for fam in families:
         name = fam.name + "_total" if fam.type == "counter" else fam.name
         # a histogram's `le` and a summary's `quantile` are no labels of the family; a
         # gauge's `le` (an objective's bucket bound) is
         own = {"histogram": {"le"}, "summary": {"quantile"}}.get(fam.type, set())
-        labels = {k for s in fam.samples for k in s.labels} - own
-        out[name] = (fam.type, frozenset(labels) if fam.samples else None)
+        labels = out.get(name, (fam.type, None))[1]       # a family of several endpoints
+        if fam.samples:
+            labels = (labels or frozenset()) | {k for s in fam.samples for k in s.labels} - own
+        out[name] = (fam.type, labels)
     # prometheus_client's creation timestamps of counters and histograms (`x_created`)
     return {name: v for name, v in out.items() if not (
         name.endswith("_created") and {name[:-8], name[:-8] + "_total"} & out.keys())}

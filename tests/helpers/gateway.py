@@ -83,16 +83,24 @@ def stream_completion(base: str, prompt: list[int], max_tokens: int,
     return text, None
 
 
+def deployment_metrics(base: str) -> str:
+    """The deployment's series as Prometheus scrapes them: the gateway's /metrics, then each
+    member's own (the Ray deployment's, listed at /admin/scrape-targets), one after another."""
+    groups = httpx.get(base + "/admin/scrape-targets", timeout=30).json()
+    return "".join(httpx.get(url, timeout=30).text for url in [base + "/metrics"] + [
+        f"http://{t}/metrics" for g in groups for t in g["targets"]])
+
+
 def fresh_metrics(base: str, timeout_s: float = 60.0) -> str:
-    """The gateway's /metrics once it shows a poll of the members that began after this call
-    (the Ray deployment polls them every 2 s, beside the scrapes); at once for a gateway
-    without members."""
+    """`deployment_metrics` once the gateway shows a poll of the attention services that
+    began after this call (the Ray deployment polls them every 2 s, beside the scrapes); at
+    once for a gateway without members. Members' own series are read when asked."""
     since, deadline = time.time(), time.monotonic() + timeout_s
     while True:
         text = httpx.get(base + "/metrics", timeout=30).text
         polled = re.search(r"^splitstack_members_polled_timestamp_seconds (\S+)$", text, re.M)
         if "splitstack_attention_up" not in text or (polled and float(polled.group(1)) >= since):
-            return text
+            return deployment_metrics(base)
         if time.monotonic() > deadline:
             raise AssertionError(f"no poll of the members in {timeout_s:.0f} s")
         time.sleep(0.1)

@@ -73,18 +73,27 @@ class Prometheus:
 def running_prometheus(targets: dict[str, str], workdir: Path, interval: str = "1s",
                        rules_dir: Path | None = None):
     """Prometheus on a free loopback port scraping each gateway of `targets` (job name ->
-    host:port) every `interval`, with deploy/prometheus/prometheus.yml's job (its path and
-    labels) and rules, evaluated as often; `rules_dir`: the rule files of that name taken
-    from there instead (rewritten copies). Yields a `Prometheus`."""
+    host:port) every `interval`, and the members that gateway lists for discovery, with
+    deploy/prometheus/prometheus.yml's jobs (paths, labels, relabelling) and rules,
+    evaluated as often; `rules_dir`: the rule files of that name taken from there instead
+    (rewritten copies). Yields a `Prometheus`."""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
     config["rule_files"] = [str(rules_dir / Path(f).name if rules_dir else PROMETHEUS_DIR / f)
                             for f in config["rule_files"]]
-    job = config["scrape_configs"][0]
-    static = job["static_configs"][0]
-    config["scrape_configs"] = [dict(job, job_name=name,
-                                     static_configs=[dict(static, targets=[target])])
-                                for name, target in targets.items()]
+    gateway, members = config["scrape_configs"]
+    static = gateway["static_configs"][0]
+    local = static["targets"][0]
+    config["scrape_configs"] = []
+    for name, target in targets.items():
+        sd = [dict(c, url=c["url"].replace(local, target), refresh_interval=interval)
+              for c in members["http_sd_configs"]]
+        relabel = [dict(r, replacement=name) if r["target_label"] == "job" else r
+                   for r in members["relabel_configs"]]
+        config["scrape_configs"] += [
+            dict(gateway, job_name=name, static_configs=[dict(static, targets=[target])]),
+            dict(members, job_name=f"{name}-members", http_sd_configs=sd,
+                 relabel_configs=relabel)]
     path = workdir / "prometheus.yml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()

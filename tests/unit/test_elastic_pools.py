@@ -63,13 +63,10 @@ class ScriptedPlacement:
 
 class Routing:
     def __init__(self):
-        self.addresses, self.pool_peers, self.busy = [], [], {}
+        self.addresses, self.busy = [], {}
 
     def set_addresses(self, addresses):
         self.addresses = list(addresses)
-
-    def set_peers(self, prefill, pool):
-        self.pool_peers = list(pool)
 
     def in_flight(self, address):
         return self.busy.get(address, 0)
@@ -118,7 +115,7 @@ def test_new_members_join_routing_only_when_ready(pools):
     until(lambda: placement.peers and len(placement.peers[-1][1]) == 3)
     address, mlp, prefill = placement.peers[-1]
     assert address == "attention-0:1" and mlp == ["pool-0:1", "pool-1:1", "pool-2:1"]
-    assert prefill == ["prefill-0:1"] and routing.pool_peers == mlp
+    assert prefill == ["prefill-0:1"]
 
 
 def test_leaving_members_drain_before_they_are_killed(pools):
@@ -179,6 +176,40 @@ def test_only_unanswered_polls_in_a_row_count(pools):
     h.dead = True
     manager._poll_load(member)
     assert placement.killed == ["pool-0"] and manager.members["mlp"] == []
+
+
+def test_each_member_answering_is_exported_and_its_metrics_listed_for_discovery():
+    """`splitstack_<pool>_up{member}` follows the load polls (0 once one goes unanswered,
+    gone with the member), and `scrape_targets` lists each member whose `Stats` gave a
+    metrics port, at its gRPC host, in Prometheus' HTTP service discovery format."""
+    from prometheus_client import CollectorRegistry
+
+    placement, routing, registry = ScriptedPlacement(), Routing(), CollectorRegistry()
+    initial = {}
+    for pool, name, port in (("attention", "attention-0", 9401), ("mlp", "pool-0", 9402),
+                             ("prefill", "prefill-0", 0)):
+        h = placement.handles[name] = Handle(pool, name, "ready")
+        h.load["metrics_port"] = port
+        initial[pool] = [Member(pool, name, h, state="ready", address=h.address)]
+    manager = PoolManager(placement, routing, initial, registry=registry)
+    manager.close()                       # the polls below are the last ones
+    up = lambda kind, member: registry.get_sample_value(f"splitstack_{kind}_up",  # noqa: E731
+                                                        {"member": member})
+    assert (up("attention", "attention-0:1"), up("pool", "pool-0:1")) == (1, 1)
+    for pool in initial.values():
+        manager._poll_load(pool[0])
+    assert manager.scrape_targets() == [
+        {"targets": ["attention-0:9401"], "labels": {"pool": "attention"}},
+        {"targets": ["pool-0:9402"], "labels": {"pool": "mlp"}}]   # the prefill has none
+    placement.handles["pool-0"].dead = True
+    manager._poll_load(manager.members["mlp"][0])
+    manager._export()
+    assert up("pool", "pool-0:1") == 0 and up("prefill", "prefill-0:1") == 1
+    for _ in range(manager.LOST_AFTER_POLLS - 1):
+        manager._poll_load(manager.members["mlp"][0])
+    manager._export()
+    assert placement.killed == ["pool-0"] and up("pool", "pool-0:1") is None
+    assert [t["labels"]["pool"] for t in manager.scrape_targets()] == ["attention"]
 
 
 def test_scale_down_takes_members_that_never_joined_first(pools):
@@ -287,7 +318,8 @@ def test_admin_routes_need_the_api_key_and_list_every_member(tokenizer, pools):
     manager, _, _ = pools
     app = app_with(tokenizer, manager, api_key="k")
     for method, path, body in (("GET", "/admin/pools", None),
-                               ("PUT", "/admin/pools/mlp", {"replicas": 2})):
+                               ("PUT", "/admin/pools/mlp", {"replicas": 2}),
+                               ("GET", "/admin/scrape-targets", None)):
         r = call(app, method, path, json=body)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert manager.desired["mlp"] == 1
@@ -331,6 +363,8 @@ def test_the_admin_routes_take_their_own_key(tokenizer, pools, api_key):
 def test_the_embedded_deployment_has_no_pools(tokenizer):
     r = call(app_with(tokenizer), "GET", "/admin/pools")
     assert r.status_code == 404 and r.json()["error"]["code"] == "no_pools"
+    r = call(app_with(tokenizer), "GET", "/admin/scrape-targets")    # Prometheus' HTTP SD
+    assert r.status_code == 200 and r.json() == []                   # no member to scrape
     doc = call(app_with(tokenizer), "GET", "/openapi.json").json()["paths"]
     assert {"400", "401", "404", "409"} <= set(doc["/admin/pools/{pool}"]["put"]["responses"])
     assert "503" in doc["/ready"]["get"]["responses"]
@@ -428,7 +462,7 @@ def test_a_member_told_to_leave_drains_and_is_replaced(pools):
     assert manager._ready()["mlp"] == ["pool-0:1"]
     placement.handles["pool-0"].load = {"calls": 1, "clients": 1, "draining": True}
     placement.handles["pool-1"].state = "ready"
-    until(lambda: routing.pool_peers == ["pool-1:1"])
+    until(lambda: placement.peers and placement.peers[-1][1] == ["pool-1:1"])
     placement.handles["pool-0"].load = {"calls": 0, "clients": 0, "draining": True}
     until(lambda: placement.killed == ["pool-0"])
     assert states(manager, "mlp") == {"pool-1": "ready"}

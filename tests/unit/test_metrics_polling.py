@@ -57,41 +57,41 @@ def test_an_unpolled_backend_is_refreshed_by_each_scrape():
         assert engine.refreshes == 1
 
 
-def test_members_are_polled_at_once_and_the_poll_is_stamped():
-    """Three replicas whose stats answer only once all three were asked: a poll that asked
-    them one after another would never finish. The poll's start is exported."""
+def test_attention_services_are_polled_at_once_and_the_poll_is_stamped():
+    """Three attention services whose stats answer only once all three were asked: a poll
+    that asked them one after another would never finish. The poll's start is exported,
+    and the load figures are the fullest service's and the sums."""
     from prometheus_client import CollectorRegistry
 
-    from services.deployment.members import MemberMetrics
+    from services.attention.client import AttentionClient
+    from services.common.pb import splitstack_pb2 as pb
 
-    class Replica:
-        def __init__(self, address, asked, everyone):
+    class Stub:
+        def __init__(self, address, asked, everyone, running):
             self.address, self.asked, self.everyone = address, asked, everyone
-
-        def connect(self):
-            return self
+            self.running = running
 
         async def Stats(self, request, timeout):      # noqa: N802 — the gRPC stub's name
             self.asked.append(self.address)
             if len(self.asked) == 3:
                 self.everyone.set()
             await self.everyone.wait()
-            return type("Stats", (), {"metrics": f'x_total{{k="{self.address}"}} 1\n'})()
+            return pb.AttentionStats(running=self.running, waiting=1,
+                                     kv_usage=self.running / 10)
 
     async def run():
         registry = CollectorRegistry()
-        members = MemberMetrics(registry)
+        client = AttentionClient(["a:1", "a:2", "a:3"], registry)
         asked, everyone = [], asyncio.Event()
-        members.peers = [(kind, Replica(a, asked, everyone))
-                         for kind, a in (("pool", "p:1"), ("pool", "p:2"), ("prefill", "f:1"))]
-        await asyncio.wait_for(members.observe({}, {}, began=1234.5), 30)
-        return registry, asked
+        for i, r in enumerate(client.set.replicas):
+            stub = Stub(r.address, asked, everyone, running=i + 1)
+            r.conn.connect = lambda stub=stub: stub
+        before = time.time()
+        await asyncio.wait_for(client.refresh(), 30)
+        return registry, client, asked, before
 
-    registry, asked = asyncio.run(run())
-    assert sorted(asked) == ["f:1", "p:1", "p:2"]
-    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
-           for family in registry.collect() for s in family.samples}
-    assert got[("splitstack_members_polled_timestamp_seconds", ())] == 1234.5
-    assert got[("splitstack_pool_up", (("member", "p:2"),))] == 1
-    assert got[("splitstack_prefill_up", (("member", "f:1"),))] == 1
-    assert got[("x_total", (("k", "p:1"), ("member", "p:1")))] == 1      # re-exported
+    registry, client, asked, before = asyncio.run(run())
+    assert sorted(asked) == ["a:1", "a:2", "a:3"]
+    assert (client.num_running(), client.num_waiting(), client.kv_usage()) == (6, 3, 0.3)
+    stamp = registry.get_sample_value("splitstack_members_polled_timestamp_seconds")
+    assert before <= stamp <= time.time()
