@@ -25,6 +25,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.codec import params_to_proto, prompt_logprobs_from
+from services.common import tracing
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import (GenerationParams, RequestError, StepOutput,
                                       Unavailable)
@@ -154,7 +155,9 @@ class AttentionClient(EngineClient):
         it runs on (acknowledged, not refused, not finished)."""
         if not self.set.begin(r):
             return None, "left routing"
-        call = r.conn.connect().Generate(request)
+        # the request's trace context (its `llm_request` span, current in the caller's task
+        # and in the migrating task it started) goes with the call
+        call = r.conn.connect().Generate(request, metadata=tracing.inject())
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as err:

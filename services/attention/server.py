@@ -15,10 +15,12 @@ from __future__ import annotations
 import logging
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kernels.sampling import SamplingError
-from services.common import sigterm
+from services.common import sigterm, tracing
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import params_from_proto, prompt_logprob_fields
@@ -81,6 +83,19 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                   value=self.prefill.retries if self.prefill else 0)
 
     def Generate(self, request, context):
+        """A SERVER span for the call, in the trace the gateway sent (`tracing`); the
+        prefill replica's span joins it."""
+        span = tracing.tracer().start_span(
+            "attention_generate", context=tracing.extract(context.invocation_metadata()),
+            kind=SpanKind.SERVER, attributes={
+                "splitstack.member": self.name, "gen_ai.usage.prompt_tokens":
+                len(request.prompt_ids), "splitstack.resumed_tokens": len(request.resume_ids)})
+        try:
+            yield from self._generate(request, context, span)
+        finally:
+            span.end()
+
+    def _generate(self, request, context, span):
         prompt = list(request.prompt_ids)
         extra = {"output_ids": list(request.resume_ids)}      # a migrated request's tokens
         try:
@@ -88,7 +103,9 @@ class AttentionServicer(pb_grpc.AttentionServicer):
             extra["grammar"] = self.loop.engine.compile_grammar(params)   # off the loop
             if self.prefill is not None:
                 self.loop.engine.validate(prompt, params, remote=True)   # before the prefill
-                pending = self.prefill.start(prompt + extra["output_ids"], request.prefill)
+                with trace.use_span(span, end_on_exit=False):     # the call carries it
+                    pending = self.prefill.start(prompt + extra["output_ids"],
+                                                 request.prefill)
                 context.add_callback(pending.cancel)
                 pending.add_done_callback(self.loop.wake)    # the step loop may be idle
                 extra["remote"] = pending
@@ -119,6 +136,7 @@ class AttentionServicer(pb_grpc.AttentionServicer):
                                    **prompt_logprob_fields(out.prompt_logprobs),
                                    **_stage_times(out))
             if out.finished:
+                span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason or ""])
                 return
 
     def Stats(self, request, context):

@@ -15,6 +15,7 @@ import torch
 
 from services.cli.argtypes import DTYPES, bounded, int_list, resolve_dtype
 from services.cli.serve_args import ServeArgs
+from services.common import tracing
 from services.common.process import tune_process
 
 # command -> (module with build_parser() and run(argv), one-line help)
@@ -116,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from services.gateway.http_server import serve as serve_http
 
     serve = ServeArgs.from_cli(args)        # bad flags: main() reports them, nothing starts
+    tracing.configure(serve.otlp_traces_endpoint, "splitstack-gateway")
     if serve.uses_cluster:
         return _serve_cluster(serve)
     torch.set_num_threads(serve.torch_threads)

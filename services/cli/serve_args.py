@@ -139,6 +139,12 @@ class ServeArgs:
     engine_process: bool = flag(False, "embedded: run the engine in its own process, so the "
                                        "HTTP front end never holds a step back")
     log_level: str = flag("info", "uvicorn's log level")
+    otlp_traces_endpoint: str | None = flag(
+        None, "export request traces (OpenTelemetry spans of the gateway, and on Ray of the "
+              "attention services and prefill replicas) over OTLP/gRPC to this collector, "
+              "e.g. http://otel-collector:4317 (default: "
+              "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset: no tracing)",
+        env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
     disaggregated: bool = flag(False, "attention services + MLP pool as Ray actors (defaults "
                                       "below)", group="qfirst")
@@ -483,7 +489,7 @@ class ServeArgs:
             dtype=self.dtype_name, quantization=self.quantization, threads=self.torch_threads,
             host=self.host, use_gpu=self.gpu,
             prefill_replicas=prefill_replicas, prefill=options, security=self.grpc_security(),
-            drain_timeout_s=self.drain_timeout)
+            drain_timeout_s=self.drain_timeout, otlp_traces_endpoint=self.otlp_traces_endpoint)
 
 
 def _kind(hint) -> tuple[type, bool]:

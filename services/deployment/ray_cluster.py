@@ -34,6 +34,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import tracing
 from services.common.faults import ENV as FAULTS_ENV
 from services.common.faults import FaultPlan
 from services.common.grpc_security import INSECURE, GrpcSecurity
@@ -84,6 +85,8 @@ class ClusterConfig:
     # injected faults for every member (`services.common.faults`; entries scoped
     # `@member-name` reach only that member): the gateway's SPLITSTACK_FAULT_INJECT
     fault_inject: str = field(default_factory=lambda: os.environ.get(FAULTS_ENV, ""))
+    # where the attention services and prefill replicas export their spans (OTLP/gRPC)
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self):
         if self.transport not in TRANSPORT_NAMES:
@@ -218,6 +221,7 @@ class PrefillReplica:
         tune_process()
         c = config
         drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
+        tracing.configure(c.otlp_traces_endpoint, "splitstack-prefill")
         torch.set_num_threads(c.threads)
         model = load_model(c.model, dtype=getattr(torch, c.dtype),
                            device="cuda" if c.use_gpu else "cpu").quantize(c.quantization)
@@ -272,6 +276,7 @@ class AttentionReplica:
         tune_process()
         c = config
         drain_on_sigterm(c.drain_timeout_s + DRAIN_MARGIN_S, name)
+        tracing.configure(c.otlp_traces_endpoint, "splitstack-attention")
         device = "cuda" if c.use_gpu else "cpu"
         from prometheus_client import CollectorRegistry
 

@@ -26,6 +26,7 @@ from services.gateway.gateway import Gateway
 from services.gateway.http_metrics import install as install_http_metrics
 from services.gateway.limits import HttpLimits, off_loop
 from services.gateway.limits import install as install_limits
+from services.gateway.tracing import TraceRequests
 from services.gateway.openapi import document
 from services.gateway.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, validation_error)
@@ -104,7 +105,8 @@ def build_app(gateway: Gateway, api_key: str | None = None, limits: HttpLimits |
         install_rate_limits(app, rate_limits)
     if api_key or admin_key:
         app.add_middleware(RequireAPIKey, key=api_key, admin_key=admin_key)
-    install_http_metrics(app)   # outermost: counts every response, refusals included
+    install_http_metrics(app)   # counts every response, refusals included
+    app.add_middleware(TraceRequests)   # outermost: a span per API request (when tracing)
 
     @app.exception_handler(APIError)
     async def api_error(_, exc: APIError):

@@ -23,6 +23,7 @@ from services.gateway.protocol import APIError, ChatCompletionRequest, Completio
 from services.gateway.reasoning import PARSERS as REASONING
 from services.gateway.stops import StopStrings
 from services.gateway.tools import FORMATS, default_format
+from services.gateway.tracing import RequestTrace
 
 TOOLS_TEMPLATE = Path(__file__).resolve().parent / "templates" / "hermes_tools.jinja"
 
@@ -144,11 +145,15 @@ class Gateway:
         The text ends before the first stop string to end after `params.min_tokens` tokens
         (after it with `include_stop`); text that may still begin one is held back until it
         cannot. The request is counted once, under its outcome."""
+        traced = RequestTrace(self.model_name, params, len(ids))
         try:
-            seq_id, out = await self.backend.submit(ids, params)
+            with traced.current():           # a member's spans join the request's trace
+                seq_id, out = await self.backend.submit(ids, params)
         except RequestError as exc:
+            traced.finish("refused", 0, time.perf_counter() - arrival)
             raise APIError(400, str(exc), exc.field) from exc
         except (EngineDeadError, Unavailable) as exc:
+            traced.finish("error", 0, time.perf_counter() - arrival)
             raise APIError(503, str(exc), type_="service_unavailable",
                            code="engine_dead" if isinstance(exc, EngineDeadError)
                            else None) from exc
@@ -180,6 +185,7 @@ class Gateway:
                         if last is None:
                             first = now
                             self._observe_first(step, now - arrival)
+                            traced.first(step, now - arrival)
                         else:
                             self.metrics.itl.observe(now - last)
                         last = now
@@ -219,6 +225,7 @@ class Gateway:
                 self.backend.abort(seq_id)
             self.metrics.finish(outcome, len(ids), count)
             self.metrics.kv_usage.set(self.backend.kv_usage())
+            traced.finish(outcome, count, time.perf_counter() - arrival)
 
     def _observe_first(self, step, ttft: float) -> None:
         """A request's first token: its TTFT, and the engine's queue and prefill times."""

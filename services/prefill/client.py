@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from models.config import ModelConfig
+from services.common import tracing
 from services.common.codec import from_proto
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.common.messages import PromptExport
@@ -190,8 +191,10 @@ class PrefillClient:
         A refusal (`PrefillRefused`), or no replica taking it (`PrefillFailed`), raises
         here; what fails after the acknowledgement is the pending prefill's `result`."""
         pending = PendingPrefill()
+        metadata = tracing.inject()          # the caller's trace, for the replica's span
         threading.Thread(target=pending.run, daemon=True, name="prefill-call", args=(
-            lambda: self.prefill(prompt_ids, options, pending.handle, pending.acked.set),
+            lambda: self.prefill(prompt_ids, options, pending.handle, pending.acked.set,
+                                 metadata),
         )).start()
         pending.acked.wait()
         if pending.done():
@@ -199,7 +202,8 @@ class PrefillClient:
         return pending
 
     def prefill(self, prompt_ids: list[int], options: pb.PrefillOptions,
-                cancel: CancelHandle | None = None, acked=None) -> PromptExport:
+                cancel: CancelHandle | None = None, acked=None,
+                metadata: list[tuple[str, str]] = ()) -> PromptExport:
         request = pb.PrefillRequest(prompt_ids=prompt_ids, options=options,
                                     nccl_peer=self.peer if self.links is not None else "")
         errors, tried = [], set()
@@ -213,7 +217,7 @@ class PrefillClient:
                 continue
             tried.add(replica.address)
             try:
-                call = replica.conn.stub.Prefill(request)
+                call = replica.conn.stub.Prefill(request, metadata=metadata)
                 if cancel is not None:
                     cancel.attach(call)
                 return self._receive(call, len(prompt_ids), replica.conn, acked)

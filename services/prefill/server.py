@@ -29,11 +29,12 @@ import time
 
 import grpc
 import torch
+from opentelemetry.trace import SpanKind
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kernels.sampling import SamplingParams
 from models.config import ModelConfig
-from services.common import sigterm
+from services.common import sigterm, tracing
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import options_from_proto, to_proto
@@ -123,6 +124,12 @@ class PrefillServicer(pb_grpc.PrefillServicer):
             "because their caller never pulled them", registry=r))
 
     def Prefill(self, request, context):
+        """A SERVER span for the call, in the caller's trace (`tracing`)."""
+        span = tracing.tracer().start_span(
+            "prefill_replica", context=tracing.extract(context.invocation_metadata()),
+            kind=SpanKind.SERVER, attributes={"splitstack.member": self.name,
+                                              "gen_ai.usage.prompt_tokens":
+                                              len(request.prompt_ids)})
         with self._lock:
             self.calls += 1
         try:
@@ -130,6 +137,7 @@ class PrefillServicer(pb_grpc.PrefillServicer):
         finally:
             with self._lock:
                 self.calls -= 1
+            span.end()
 
     def _prefill(self, request, context):
         start = time.perf_counter()

@@ -34,7 +34,7 @@ def test_every_field_is_one_flag_with_help():
     actions = {a.option_strings[0]: a for a in serve_parser()._actions
                if a.option_strings and a.dest != "help"}
     names = [flag_name(f.name) for f in dataclasses.fields(ServeArgs)]
-    assert sorted(actions) == sorted(names) and len(names) == 70
+    assert sorted(actions) == sorted(names) and len(names) == 71
     for f in dataclasses.fields(ServeArgs):
         action = actions[flag_name(f.name)]
         assert action.dest == f.name
