@@ -22,6 +22,8 @@ rows' sweep runs while the pool computes the previous feed-forward.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from kernels.merge import combine_current, merge_many
@@ -67,6 +69,10 @@ class StepRows:
 
 
 class QFirstRunner:
+    # the grammars' masks are computed while the layers run: they are needed only by
+    # the final call, and the step waits on the pool's replies meanwhile
+    defers_sampling = True
+
     def __init__(self, model: CausalLM, pool: Transport, layout: CacheLayout,
                  num_shards: int = 1, wiring: str | None = None,
                  names: list[str] | None = None, shards: list[KVShard] | None = None):
@@ -112,7 +118,8 @@ class QFirstRunner:
             self.rec[:, slot] = export.recurrent
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+    def execute(self, out: SchedulerOutput,
+                sampling: SamplingRows | Future[SamplingRows]) -> Sampled:
         st = StepRows(out, self.shards, self.model.device)
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
@@ -133,6 +140,8 @@ class QFirstRunner:
                 score_chunk(c, u[seq_rows.rows],
                             lambda x, t, k: self.pool.call("score", x, t, k))
         last = [r.rows[-1] for r, c in zip(st.seqs, out.chunks) if c.sample]
+        if isinstance(sampling, Future):
+            sampling = sampling.result()
         tokens, logprobs, logits = self.pool.call(
             "final", u[torch.tensor(last, dtype=torch.long, device=u.device)], *sampling)
         return Sampled(tokens, logprobs, logits)

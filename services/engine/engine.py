@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,7 @@ class LLMEngine:
         (`structured.Grammars`, which needs the tokenizer); None: such requests are
         refused."""
         self.grammars = grammars
+        self._masker: ThreadPoolExecutor | None = None     # see `_deferred_rows`
         self.model = model
         self.prefill_service = prefill_service     # RidgeFill / out-of-band prefill
         self.config = config
@@ -352,11 +354,14 @@ class LLMEngine:
         sampled = None
         if not inner.empty:
             prefill_rows = sum(c.length for c in inner.prefill)
+            rows = self._deferred_rows(inner)
             try:
                 with torch_threads(self.config.prefill_threads
                                    if prefill_rows >= PREFILL_ROWS else None):
-                    sampled = self.runner.execute(inner, self._sampling_rows(inner))
+                    sampled = self.runner.execute(inner, rows or self._sampling_rows(inner))
             except Exception as exc:  # a failed step fails only the requests in it
+                if rows is not None:
+                    wait([rows])         # its matchers are not read after the step
                 log.exception("engine step failed")
                 failed += [self._fail(c.seq, f"{type(exc).__name__}: {exc}")
                            for c in inner.chunks]
@@ -378,6 +383,18 @@ class LLMEngine:
                 room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
                            self.max_model_len - seq.num_tokens)
                 seq.draft = propose(seq.tokens, spec, room)
+
+    def _deferred_rows(self, out: SchedulerOutput) -> Future | None:
+        """The step's sampling rows computed on the mask thread while the runner runs the
+        layers, when the runner takes them late (`Runner.defers_sampling`) and a row has a
+        grammar to mask; else None (computed here, before the layers)."""
+        if not getattr(self.runner, "defers_sampling", False) or not any(
+                c.sample and c.seq.matcher is not None and c.seq.matcher.active
+                for c in out.chunks):
+            return None
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        return self._masker.submit(self._sampling_rows, out)
 
     def _sampling_rows(self, out: SchedulerOutput) -> SamplingRows:
         """One row per sampling chunk, 1 + k for a speculative step's: its row i reads the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -60,7 +61,13 @@ class Runner(Protocol):
     and state slots; the runner only reads and writes what they index. Called by the
     engine thread only."""
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+    # True: `execute` may get its sampling rows as a Future, resolved only when it samples,
+    # so the engine computes the grammars' masks while the layers run (a runner that waits
+    # on other processes for them: the Q-First one)
+    defers_sampling: bool
+
+    def execute(self, out: SchedulerOutput,
+                sampling: SamplingRows | Future[SamplingRows]) -> Sampled:
         """Run the step's chunks and draw a token for each chunk that samples."""
 
     def install(self, table: list[int], slot: int | None, export: PromptExport) -> None:
@@ -134,6 +141,8 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
 class ModelRunner:
     """The monolithic runner: the whole model in this process, the cache in a
     `CacheStorage` (embedded server, prefill replicas)."""
+
+    defers_sampling = False      # its sampling reads the rows before the layers run
 
     def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
                  keep_hidden: tuple[int, ...] = (), compile_buckets: tuple[int, ...] = (),

@@ -123,3 +123,52 @@ def test_constrained_decoding_over_the_pool_equals_the_exact_engine(pool_servers
         service.step()
     assert service.pop(seq_id).output_ids == want[0]
     assert service.blocks.num_free == service.blocks.num_blocks
+
+
+def test_grammar_masks_are_filled_while_the_pool_runs_the_layers(pool_servers, monkeypatch):
+    """On an attention service a step's masks are computed beside its layer sweep: each
+    mask fill waits until the runner sends a stage call it did not see before it began,
+    which can only happen if the layers run meanwhile (masks filled first, before the
+    layers, would wait in vain); the answer is still the exact engine's."""
+    import json
+    import threading
+
+    from services.common.messages import StructuredSpec
+    from services.deployment.build import grammars_for
+    from services.engine import structured
+    from tests.helpers.gateway import ZOO
+
+    model = load_model(ZOO)
+    prompt = [1, 4093, 28, 198, 15024, 2520, 347, 18682, 30, 2, 198]
+    spec = StructuredSpec("json_schema", json.dumps({
+        "type": "object", "additionalProperties": False, "required": ["ok"],
+        "properties": {"ok": {"type": "boolean"}}}))
+    params = GenerationParams(max_tokens=12, structured=spec)
+    want = LLMEngine(model, eos_token_ids=(2,), grammars=grammars_for(ZOO, 49152)).generate(
+        [prompt], params)[0].output_ids
+    service = qfirst_engine(model, make_transport("grpc", [a for _, a in pool_servers(model, 1)]),
+                            num_shards=1, block_size=8, num_blocks=64, eos_token_ids=(2,),
+                            grammars=grammars_for(ZOO, 49152))
+    stages, changed = [0], threading.Condition()
+    submit = service.runner.pool.submit
+
+    def counted(name, *args):
+        with changed:
+            stages[0] += name == "stage"
+            changed.notify_all()
+        return submit(name, *args)
+
+    overlapped, fill = [], structured.masks
+
+    def waiting_fill(matchers, metrics=None):
+        with changed:
+            seen = stages[0]
+            overlapped.append(changed.wait_for(lambda: stages[0] > seen, timeout=10))
+        return fill(matchers, metrics)
+
+    monkeypatch.setattr(service.runner.pool, "submit", counted)
+    monkeypatch.setattr(structured, "masks", waiting_fill)
+    got = service.generate([prompt], params)[0].output_ids
+    assert got == want
+    assert len(overlapped) == len(got) and all(overlapped)
+    assert service.blocks.num_free == service.blocks.num_blocks
