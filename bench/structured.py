@@ -1,7 +1,7 @@
 """Structured outputs on JSONSchemaBench: coverage, validity, grammar compile time, and
 constrained decode throughput against unconstrained, in one run.
 
-    python -m bench.structured [--validity 48] [--max-tokens 256] [--decode-tokens 64]
+    python -m bench.structured [--validity 48] [--max-tokens 256] [--decode-tokens 64] [--qfirst]
 
 - Coverage: each of the 240 schemas of `tests/data/jsonschemabench/` (six subsets) compiled
   by the engine's grammar compiler: the share compiled, and the share refused with a
@@ -14,7 +14,10 @@ constrained decode throughput against unconstrained, in one run.
   and, of those, the share `jsonschema` accepts.
 - Throughput: decode tok/s of constrained requests at batch 1 and 16 (the first 16 valid
   schemas) against the same prompts unconstrained, at most `--decode-tokens` each, over
-  the steps in which the whole batch decodes; medians over `--repeats`.
+  the steps in which the whole batch decodes; medians over `--repeats`. With `--qfirst`
+  also on a Q-First attention service whose MLP pool replica serves over loopback gRPC
+  (the Ray deployment's data path), with the grammar masks filled beside the layers (as
+  served) and, for comparison, before them.
 
 The engine is the embedded one at `--dtype auto` (this machine's serving dtype).
 """
@@ -134,6 +137,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--qfirst", action="store_true",
+                    help="also measure throughput on a Q-First attention service")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = resolve_dtype("auto", False)
@@ -185,24 +190,65 @@ def main() -> None:
     for line in failures:
         print(f"  invalid {line}")
 
+    pool = valid_jobs or jobs
     print(f"throughput: decode tok/s, {args.decode_tokens} tokens a request, median of "
-          f"{args.repeats}")
-    print("| batch | unconstrained | constrained | ratio |")
-    print("|---|---|---|---|")
-    pool = (valid_jobs or jobs)
+          f"{args.repeats}; embedded engine")
+    throughput(engine, pool, args, {"unconstrained": "free", "constrained": "json"})
+    if args.qfirst:
+        engine, server = qfirst(dtype, engine.model.config.vocab_size)
+        try:
+            print("Q-First attention service, one MLP pool replica over loopback gRPC (the Ray "
+                  "deployment's data path): constrained with the masks filled beside the "
+                  "layers (as served), and before them")
+            throughput(engine, pool, args, {"unconstrained": "free", "beside": "json",
+                                            "before": "json-first"})
+        finally:
+            server.stop(0)
+
+
+def qfirst(dtype: str, vocab_size: int):
+    """An attention service's engine in this process, its pool replica behind gRPC."""
+    from models import load_model
+    from services.attention.runner import qfirst_engine
+    from services.common.tokenizer import eos_token_ids
+    from services.deployment.transports import make_transport
+    from services.mlp_pool import MLPPool
+    from services.mlp_pool.grpc_server import serve_pool
+
+    model = load_model(MODEL, dtype=DTYPES[dtype])
+    server, address = serve_pool(MLPPool(model, "pool-0"))
+    engine = qfirst_engine(model, make_transport("grpc", [address]), block_size=16,
+                           kv_cache_bytes=1 << 30, eos_token_ids=eos_token_ids(MODEL),
+                           grammars=grammars_for(MODEL, vocab_size))
+    return engine, server
+
+
+def throughput(engine, pool, args, columns: dict[str, str]) -> None:
+    """One row per batch size: tok/s per column (kind "free": unconstrained, "json":
+    constrained, "json-first": constrained with the masks filled before the layers), and
+    each constrained column's ratio to the unconstrained one."""
+    ratios = [c for c, kind in columns.items() if kind != "free"]
+    print("| batch | " + " | ".join(columns) + " | " + " | ".join(f"{c} ratio" for c in ratios)
+          + " |")
+    print("|---" * (1 + len(columns) + len(ratios)) + "|")
     for batch in (1, 16):
         picked = [pool[i % len(pool)] for i in range(batch)]
-        rates = {"free": [], "json": []}
+        rates = {c: [] for c in columns}
         for _ in range(args.repeats):
-            for kind in ("free", "json"):
+            for column, kind in columns.items():
                 batch_jobs = [(p, GenerationParams(
                     max_tokens=args.decode_tokens, ignore_eos=kind == "free",
-                    structured=params.structured if kind == "json" else None,
+                    structured=params.structured if kind != "free" else None,
                     sampling=SamplingParams(temperature=0.0))) for p, params in picked]
-                rates[kind].append(full_batch_rate(engine, batch_jobs))
-        free, constrained = statistics.median(rates["free"]), statistics.median(rates["json"])
-        print(f"| {batch} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |")
-
+                engine.runner.__dict__.pop("defers_sampling", None)
+                if kind == "json-first":         # this run only: the masks before the layers
+                    engine.runner.defers_sampling = False
+                rates[column].append(full_batch_rate(engine, batch_jobs))
+                engine.runner.__dict__.pop("defers_sampling", None)
+        med = {c: statistics.median(v) for c, v in rates.items()}
+        free = med[next(c for c, k in columns.items() if k == "free")]
+        print(f"| {batch} | " + " | ".join(f"{v:.1f}" for v in med.values()) + " | "
+              + " | ".join(f"{med[c] / free:.2f}x" for c in ratios) + " |")
 
 if __name__ == "__main__":
     main()
