@@ -18,12 +18,14 @@ VALUE_SETS = ("values.yaml", "values-cpu.yaml", "values-gpu.yaml", "values-autos
 RELEASE = "demo"
 # where an operator pushed the image (`image.repository` has no default: nothing public holds it)
 REPOSITORY = "registry.example.com/splitstack"
-# the Prometheus Operator's API: without it the chart renders no ServiceMonitor or PrometheusRule
+# the Prometheus Operator's API: without it the chart renders no ServiceMonitor, PodMonitor or
+# PrometheusRule
 MONITORING_API = "monitoring.coreos.com/v1"
 # custom resource kind -> its CRD file in k8s/crds/
 CRD_FILES = {
     "RayCluster": "ray.io_rayclusters.yaml",
     "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
     "PrometheusRule": "monitoring.coreos.com_prometheusrules.yaml",
 }
 

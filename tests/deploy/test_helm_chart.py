@@ -43,6 +43,32 @@ def pod_specs(docs):
                 yield f"ray-{group['groupName']}", group["template"]
 
 
+def selects(selector: dict, labels: dict) -> bool:
+    """Whether a Kubernetes label selector (matchLabels and matchExpressions) takes `labels`."""
+    ops = {"In": lambda key, values: labels.get(key) in values,
+           "NotIn": lambda key, values: labels.get(key) not in values,
+           "Exists": lambda key, _: key in labels,
+           "DoesNotExist": lambda key, _: key not in labels}
+    return (selector.get("matchLabels", {}).items() <= labels.items()
+            and all(ops[e["operator"]](e["key"], e.get("values", []))
+                    for e in selector.get("matchExpressions", [])))
+
+
+def relabel(labels: dict, configs: list[dict]) -> dict:
+    """A target's labels after Prometheus' `replace` relabelings (the one action the chart
+    uses), applied in order: the regex anchored at both ends, `$1` its first group."""
+    out = dict(labels)
+    for config in configs:
+        assert config.get("action", "replace").lower() == "replace", config
+        sources = [out.get(k, "") for k in config.get("sourceLabels", [])]
+        value = config.get("separator", ";").join(sources)
+        match = re.fullmatch(config.get("regex", "(.*)"), value)
+        if match:
+            template = re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", config.get("replacement", "$1"))
+            out[config["targetLabel"]] = match.expand(template)
+    return out
+
+
 # ---- helm lint and the schema ---------------------------------------------------------------
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
@@ -88,7 +114,7 @@ def test_builtin_kinds_pass_kubernetes_validate_strict(value_set, tmp_path):
 def test_custom_resources_validate_strictly_against_their_crds(value_set):
     docs = render(value_set)
     kinds = {d["kind"] for d in docs if d["kind"] in CRD_FILES}
-    assert {"RayCluster", "ServiceMonitor"} <= kinds
+    assert {"RayCluster", "ServiceMonitor", "PodMonitor"} <= kinds
     if list((CHART / "files" / "rules").glob("*.yml")):
         assert "PrometheusRule" in kinds
     for doc in docs:
@@ -115,11 +141,14 @@ def test_the_strict_crd_check_catches_a_bad_rendered_field(mistake):
     assert field in str(err.value) or field in list(err.value.absolute_path)
 
 
-def test_the_strict_crd_check_catches_a_bad_servicemonitor_field():
-    monitor = copy.deepcopy(find(render("values.yaml"), "ServiceMonitor"))
-    monitor["spec"]["endpoints"][0]["scrapeIntervall"] = "15s"
+@pytest.mark.parametrize("kind,endpoints", [("ServiceMonitor", "endpoints"),
+                                            ("PodMonitor", "podMetricsEndpoints")])
+def test_the_strict_crd_check_catches_a_bad_monitor_field(kind, endpoints):
+    monitor = copy.deepcopy(find(render("values.yaml"), kind))
+    crd_validator(kind).validate(monitor)
+    monitor["spec"][endpoints][0]["scrapeIntervall"] = "15s"
     with pytest.raises(jsonschema.ValidationError, match="scrapeIntervall"):
-        crd_validator("ServiceMonitor").validate(monitor)
+        crd_validator(kind).validate(monitor)
 
 
 # ---- the chart against the programs it runs --------------------------------------------------
@@ -259,7 +288,7 @@ def test_every_pod_is_non_root_without_privilege_escalation(value_set):
             assert container["name"] == "redis" or "/tmp" in mounts, (name, container["name"])
 
 
-def test_network_policies_open_only_the_gateway_port():
+def test_network_policies_open_only_the_gateway_and_member_metrics_ports():
     docs = render("values.yaml")
     internal = find(docs, "NetworkPolicy", "-internal")["spec"]
     outside = find(docs, "NetworkPolicy", "-gateway")["spec"]
@@ -271,6 +300,26 @@ def test_network_policies_open_only_the_gateway_port():
     assert outside["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
     gateway = find(docs, "Deployment", "-gateway")["spec"]["template"]["metadata"]["labels"]
     assert outside["podSelector"]["matchLabels"].items() <= gateway.items()
+    assert {d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"} == {
+        f"{RELEASE}-splitstack-{n}" for n in ("internal", "gateway", "member-metrics")}
+
+
+@pytest.mark.parametrize("sets", [(), ("networkPolicy.gatewayFrom[0].namespaceSelector"
+                                       ".matchLabels.name=monitoring",)])
+def test_prometheus_reaches_the_members_metrics_wherever_it_reaches_the_gateways(sets):
+    """The gateway's /metrics is scraped through its HTTP port, open to
+    `networkPolicy.gatewayFrom`: each worker pod's member metrics port opens to the same
+    peers, and to nothing else on any other pod."""
+    docs = render("values.yaml", *sets)
+    gateway = find(docs, "NetworkPolicy", "-gateway")["spec"]
+    members = find(docs, "NetworkPolicy", "-member-metrics")["spec"]
+    assert members["policyTypes"] == ["Ingress"]
+    assert members["ingress"] == [{**gateway["ingress"][0],
+                                   "ports": [{"port": "member-metrics", "protocol": "TCP"}]}]
+    assert ("from" in members["ingress"][0]) == bool(sets)
+    opened = {name for name, t in pod_specs(docs)
+              if selects(members["podSelector"], t["metadata"]["labels"])}
+    assert opened == {f"ray-{pool}" for pool in POOLS}
 
 
 def test_the_api_key_comes_from_a_secret():
@@ -412,3 +461,100 @@ def test_the_prometheus_rule_carries_the_rules_and_absolute_runbook_links():
                 anchor = want["annotations"]["runbook_url"].partition("#")[2]
                 assert got["annotations"]["runbook_url"] == f"{prefix}#{anchor}"
                 assert {**got, "annotations": {}} == {**want, "annotations": {}}
+
+
+# ---- the members' own /metrics: a PodMonitor on the Ray worker pods --------------------------
+
+MEMBER_METRICS_PORT_ENV = "SPLITSTACK_MEMBER_METRICS_PORT"     # services.common.member_metrics
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_the_podmonitor_renders_with_the_operator_api_unless_disabled(value_set):
+    """Like the ServiceMonitor: by default where the cluster serves the Prometheus Operator's
+    API, never where it does not (the install would fail), and not when turned off."""
+    def kinds(*sets, **kw):
+        return [d["kind"] for d in render(value_set, *sets, **kw)]
+
+    assert kinds().count("PodMonitor") == 1
+    assert "PodMonitor" not in kinds(api_versions=())
+    off = kinds("monitoring.podMonitor.enabled=false")
+    assert "PodMonitor" not in off and "ServiceMonitor" in off
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_the_podmonitor_selects_exactly_the_worker_pods(value_set):
+    """Every worker group's pods (where the members run), neither the head (no member) nor
+    the gateway (the ServiceMonitor's) nor any other pod, nor another release's workers."""
+    docs = render(value_set)
+    selector = find(docs, "PodMonitor")["spec"]["selector"]
+    templates = dict(pod_specs(docs))
+    matched = {name for name, t in templates.items() if selects(selector, t["metadata"]["labels"])}
+    assert matched == {f"ray-{pool}" for pool in POOLS}
+    other = {**templates["ray-mlp"]["metadata"]["labels"], "app.kubernetes.io/instance": "other"}
+    assert not selects(selector, other)
+
+
+@pytest.mark.parametrize("sets,port", [((), 9400), (("monitoring.podMonitor.port=9555",), 9555),
+                                       (("monitoring.podMonitor.enabled=false",), 9400)])
+def test_each_worker_container_serves_member_metrics_on_the_scraped_port(sets, port):
+    """The PodMonitor's port name is a containerPort of every worker container, whose number
+    is the SPLITSTACK_MEMBER_METRICS_PORT its member binds (the last entry of a name wins)."""
+    docs = render("values.yaml", *sets)
+    monitors = [d for d in docs if d["kind"] == "PodMonitor"]
+    name = monitors[0]["spec"]["podMetricsEndpoints"][0]["port"] if monitors else "member-metrics"
+    for group in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        (declared,) = [p for p in container["ports"] if p["name"] == name]
+        assert (declared["containerPort"], declared.get("protocol", "TCP")) == (port, "TCP")
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[MEMBER_METRICS_PORT_ENV] == str(port), group["groupName"]
+    head = find(docs, "RayCluster")["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert MEMBER_METRICS_PORT_ENV not in {e["name"] for e in head["env"]}    # no member there
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_the_members_targets_join_their_gateways_job_and_name_their_pool(value_set):
+    """The operator sets a ServiceMonitor target's job to its Service's name (no jobLabel):
+    the one Service the ServiceMonitor selects. Each member's target gets that job, so that
+    `by (namespace, job)` sees the gateway and its members as one deployment, and its worker
+    group as `pool`."""
+    docs = render(value_set)
+    service_monitor = find(docs, "ServiceMonitor")
+    assert "jobLabel" not in service_monitor["spec"]
+    (service,) = [d for d in docs if d["kind"] == "Service"
+                  and selects(service_monitor["spec"]["selector"], d["metadata"]["labels"])]
+    (scraped,) = service_monitor["spec"]["endpoints"]
+    assert scraped["port"] in {p["name"] for p in service["spec"]["ports"]}
+    (endpoint,) = find(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for group in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        component = group["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        target = relabel({"job": f"{RELEASE}/{RELEASE}-splitstack-members", "namespace": RELEASE,
+                          "__meta_kubernetes_pod_label_app_kubernetes_io_component": component},
+                         endpoint["relabelings"])
+        assert target["job"] == service["metadata"]["name"]
+        assert target["pool"] == group["groupName"]
+
+
+@pytest.mark.parametrize("sets,interval", [
+    ((), "15s"), (("monitoring.serviceMonitor.interval=1m",), "1m"),
+    (("monitoring.podMonitor.interval=30s",), "30s"),
+])
+def test_the_podmonitor_scrapes_as_often_as_the_servicemonitor_unless_set(sets, interval):
+    (endpoint,) = find(render("values.yaml", *sets), "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["interval"] == interval
+
+
+def test_the_podmonitor_needs_no_honor_labels():
+    """The target labels a member's series get (the operator's and `pool`) are none of the
+    labels a member exports (docs/metrics.md: the rows that carry `member`)."""
+    (endpoint,) = find(render("values.yaml"), "PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert "honorLabels" not in endpoint
+    added = OPERATOR_TARGET_LABELS | {c["targetLabel"] for c in endpoint["relabelings"]}
+    assert "pool" in added
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    rows = re.findall(r"^\|\s*`splitstack_\w+`\s*\|[^|]*\|([^|]*)\|", doc, re.M)
+    exported = [set(re.findall(r"`(\w+)`", row)) for row in rows]
+    member_labels = set().union(*[labels for labels in exported if "member" in labels])
+    assert "member" in member_labels
+    assert member_labels & added == set()

@@ -22,6 +22,21 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
+{{/* The label selector of every Ray worker pod of the release, all pools, not the head (a
+selector's body): where the members run, one to a pod. */}}
+{{- define "splitstack.workerSelector" -}}
+matchLabels:
+  app.kubernetes.io/name: {{ .Chart.Name }}
+  app.kubernetes.io/instance: {{ .Release.Name }}
+matchExpressions:
+  - key: app.kubernetes.io/component
+    operator: In
+    values:
+      {{- range $name := list "attention" "mlp" "prefill" }}
+      - ray-worker-{{ $name }}
+      {{- end }}
+{{- end -}}
+
 {{/* No public registry holds splitstack's image: the operator builds and pushes it. */}}
 {{- define "splitstack.image" -}}
 {{ required "image.repository must be set: no public registry holds splitstack's image. Build it (make image), push it to a registry your nodes pull from, and pass --set image.repository=REGISTRY/splitstack (the chart's README, Build and push)" .Values.image.repository }}:{{ .Values.image.tag }}
