@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import yaml
 
+from services.common.member_metrics import PORT_ENV as MEMBER_METRICS_PORT_ENV
 from services.deployment.ray_cluster import POOLS, pool_resource
 from tests.deploy.chart import (CHART, CRD_FILES, RELEASE, ROOT, VALUE_SETS, crd_validator,
                                 documented_values, find, helm, leaf_paths, readme_table,
@@ -464,8 +465,6 @@ def test_the_prometheus_rule_carries_the_rules_and_absolute_runbook_links():
 
 
 # ---- the members' own /metrics: a PodMonitor on the Ray worker pods --------------------------
-
-MEMBER_METRICS_PORT_ENV = "SPLITSTACK_MEMBER_METRICS_PORT"     # services.common.member_metrics
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
