@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import grpc
+import httpx
 import pytest
 
 from models import load_model
@@ -31,18 +32,24 @@ def test_ray_cluster_matches_exact_engine(family, transport, tiny_checkpoint, ra
         if transport == "grpc":       # both replicas served stages, from their own processes
             calls = ray_session.get([p.calls.remote() for p in cluster.pools])
             assert all(c > 0 for c in calls)
-        with grpc.insecure_channel(cluster.attention_addresses[0]) as channel:
+        address = cluster.attention_addresses[0]
+        with grpc.insecure_channel(address) as channel:
             stats = pb_grpc.AttentionStub(channel).Stats(pb.Empty())
         assert stats.blocks_free == stats.blocks_total and stats.transport == transport
-        if transport == "local":      # the in-process pool's own metrics ride on Stats
-            stages = re.search(r'^splitstack_pool_stage_seconds_count\{kind="stage"\} (\S+)$',
-                               stats.metrics, re.M)
+        # the service's own /metrics, served where it runs, at the port its Stats give
+        host = address.rsplit(":", 1)[0]
+        text = httpx.get(f"http://{host}:{stats.metrics_port}/metrics", timeout=30).text
+        member = f'member="{address}"'
+        if transport == "local":      # the in-process pool's metrics are the service's
+            stages = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="stage",{member}\}} '
+                               r'(\S+)$', text, re.M)
             assert stages and float(stages.group(1)) > 0
         else:                         # the pool replicas export theirs themselves
-            assert "splitstack_pool_stage_seconds" not in stats.metrics
+            assert "splitstack_pool_stage_seconds" not in text
         # the engine's own series, from the attention service's process
-        assert re.search(r"^splitstack_iteration_tokens_count (\S+)$", stats.metrics, re.M)
-        assert "splitstack_num_preemptions_total" in stats.metrics
+        assert re.search(rf"^splitstack_iteration_tokens_count\{{{member}\}} (\S+)$", text,
+                         re.M)
+        assert f"splitstack_num_preemptions_total{{{member}}}" in text
     finally:
         cluster.shutdown()
 
