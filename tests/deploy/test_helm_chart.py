@@ -56,11 +56,16 @@ def selects(selector: dict, labels: dict) -> bool:
 
 
 def relabel(labels: dict, configs: list[dict]) -> dict:
-    """A target's labels after Prometheus' `replace` relabelings (the one action the chart
-    uses), applied in order: the regex anchored at both ends, `$1` its first group."""
+    """A target's labels after Prometheus' `replace` and `labeldrop` relabelings (the
+    actions the chart uses), applied in order: the regex anchored at both ends, `$1` its
+    first group."""
     out = dict(labels)
     for config in configs:
-        assert config.get("action", "replace").lower() == "replace", config
+        action = config.get("action", "replace").lower()
+        if action == "labeldrop":
+            out = {k: v for k, v in out.items() if not re.fullmatch(config["regex"], k)}
+            continue
+        assert action == "replace", config
         sources = [out.get(k, "") for k in config.get("sourceLabels", [])]
         value = config.get("separator", ";").join(sources)
         match = re.fullmatch(config.get("regex", "(.*)"), value)
@@ -216,6 +221,20 @@ def test_the_objectives_are_set_once_in_values():
         assert (objectives.ttft_s, objectives.itl_s) == pytest.approx((ttft, itl))
         policy = settings.autoscaler().policy
         assert (policy.slo_ttft_s, policy.slo_itl_s) == pytest.approx((ttft, itl))
+
+
+@pytest.mark.parametrize("endpoint", ["", "http://otel-collector.observability:4317"])
+def test_tracing_reaches_the_gateway_as_its_otlp_flag(endpoint):
+    """`monitoring.tracing.otlpEndpoint` is the gateway's --otlp-traces-endpoint (which it
+    hands its members); empty: none (an unset flag falls back to the OTEL environment)."""
+    from services.cli import build_parser
+    from services.cli.serve_args import ServeArgs
+
+    _, serve = gateway_command(render("values.yaml",
+                                      f"monitoring.tracing.otlpEndpoint={endpoint}"))
+    settings = ServeArgs.from_cli(build_parser().parse_args(serve[1:]))
+    assert ("--otlp-traces-endpoint" in serve) == bool(endpoint)
+    assert settings.cluster_config().otlp_traces_endpoint == (endpoint or None)
 
 
 def test_the_scale_hook_runs_splitstack_scale_for_each_resizable_pool():
@@ -529,10 +548,13 @@ def test_the_members_targets_join_their_gateways_job_and_name_their_pool(value_s
     for group in find(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
         component = group["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
         target = relabel({"job": f"{RELEASE}/{RELEASE}-splitstack-members", "namespace": RELEASE,
+                          "pod": "w-1", "__meta_kubernetes_pod_name": "w-1",
                           "__meta_kubernetes_pod_label_app_kubernetes_io_component": component},
                          endpoint["relabelings"])
         assert target["job"] == service["metadata"]["name"]
         assert target["pool"] == group["groupName"]
+        # the dashboards' `pod=~"$pod|"` (a gateway pod) lets a series without `pod` through
+        assert "pod" not in target and target["ray_pod"] == "w-1"
 
 
 @pytest.mark.parametrize("sets,interval", [
@@ -549,7 +571,8 @@ def test_the_podmonitor_needs_no_honor_labels():
     labels a member exports (docs/metrics.md: the rows that carry `member`)."""
     (endpoint,) = find(render("values.yaml"), "PodMonitor")["spec"]["podMetricsEndpoints"]
     assert "honorLabels" not in endpoint
-    added = OPERATOR_TARGET_LABELS | {c["targetLabel"] for c in endpoint["relabelings"]}
+    added = OPERATOR_TARGET_LABELS | {c["targetLabel"] for c in endpoint["relabelings"]
+                                      if "targetLabel" in c}
     assert "pool" in added
     doc = (ROOT / "docs" / "metrics.md").read_text()
     rows = re.findall(r"^\|\s*`splitstack_\w+`\s*\|[^|]*\|([^|]*)\|", doc, re.M)

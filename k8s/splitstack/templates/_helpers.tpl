@@ -418,6 +418,7 @@ the SIGTERM and drains). Pool sizes come from the pools ConfigMap through the en
 {{- with $v.monitoring.slo }}
 {{- $a = concat $a (list "--slo-ttft-ms" (toString (int .ttftMs)) "--slo-itl-ms" (toString (int .itlMs))) }}
 {{- end }}
+{{- with $v.monitoring.tracing.otlpEndpoint }}{{ $a = concat $a (list "--otlp-traces-endpoint" (squote .)) }}{{ end }}
 {{- if $v.autoscaling.enabled }}
 {{- $bounds := list }}
 {{- range $name := list "attention" "mlp" "prefill" }}
