@@ -8,6 +8,9 @@ constrained decode throughput against unconstrained, in one run.
   RequestError (the API's 400). Anything else raised is counted as a crash.
 - Compile time: p50 / p99 per schema, cold (first compile in a fresh compiler) and cached
   (the same spec again).
+- Held out: the same coverage, compile time and validity (every compiled schema asked) on
+  real schemas the folder does not hold (`heldout_schemas`: the chart's custom resources'
+  and values' object schemas).
 - Validity: `--validity` compiled schemas, taken round-robin over the subsets, each asked
   for greedily (a chat prompt naming the schema's title or file) with at most
   `--max-tokens` tokens, 16 at a time: the share that finished (the grammar completed)
@@ -27,7 +30,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import jsonschema
 import torch
@@ -81,7 +83,7 @@ def coverage(schemas, vocab_size: int):
 
 
 def prompt_ids(tok, name: str, schema: dict) -> list[int]:
-    title = schema.get("title") or schema.get("description") or Path(name).stem
+    title = schema.get("title") or schema.get("description") or name.removesuffix(".json")
     ask = f"Give one example JSON object for: {str(title)[:200]}"
     text = tok.apply_chat_template([{"role": "user", "content": ask}],
                                    add_generation_prompt=True, tokenize=False)
@@ -129,6 +131,83 @@ def full_batch_rate(engine, jobs) -> float:
     return tokens / seconds if seconds else float("nan")
 
 
+def report(engine, tok, label: str, schemas, asked: int, max_tokens: int):
+    """Coverage, compile time and validity of one schema set (`asked` compiled schemas,
+    round-robin over its subsets, greedy, 16 at a time); returns (jobs, valid jobs)."""
+    compiled, refused, crashed, cold, warm = coverage(schemas, engine.model.config.vocab_size)
+    total = len(schemas)
+    print(f"## {label}: {total} schemas, {len({s for s, _, _ in schemas})} subsets")
+    print(f"coverage: compiled {len(compiled)}/{total} ({100 * len(compiled) / total:.1f}%), "
+          f"refused with a 400 {len(refused)} ({100 * len(refused) / total:.1f}%), "
+          f"crashed {len(crashed)}")
+    for subset in sorted({s for s, _, _ in schemas}):
+        n = sum(1 for s, _, _ in schemas if s == subset)
+        c = sum(1 for s, *_ in compiled if s == subset)
+        print(f"  {subset}: {c}/{n}")
+    for subset, name, why in refused + crashed:
+        print(f"  refused {subset}/{name}: {why}")
+    print(f"compile ms, p50 / p99: cold {1e3 * pct(cold, .5):.2f} / {1e3 * pct(cold, .99):.2f}; "
+          f"cached {1e3 * pct(warm, .5):.3f} / {1e3 * pct(warm, .99):.3f}")
+    chosen = round_robin(compiled, asked)
+    jobs = []
+    for subset, name, text, grammar in chosen:
+        spec = StructuredSpec("json_schema", text)
+        jobs.append((prompt_ids(tok, name, json.loads(text)),
+                     GenerationParams(max_tokens=max_tokens, structured=spec,
+                                      sampling=SamplingParams(temperature=0.0))))
+    finished = valid = 0
+    valid_jobs, failures = [], []
+    for a in range(0, len(jobs), 16):
+        seqs, _ = generate(engine, jobs[a:a + 16])
+        for (subset, name, text, _), seq, job in zip(chosen[a:a + 16], seqs, jobs[a:a + 16]):
+            if seq.finish_reason != "stop":
+                continue
+            finished += 1
+            out = tok.decode(seq.output_ids, skip_special_tokens=True)
+            try:
+                jsonschema.validate(json.loads(out), json.loads(text))
+                valid += 1
+                valid_jobs.append(job)
+            except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as exc:
+                failures.append(f"{subset}/{name}: {type(exc).__name__}: {str(exc)[:100]}")
+    print(f"validity: {len(jobs)} schemas asked, at most {max_tokens} tokens: finished "
+          f"{finished}, valid {valid}/{finished} ({100 * valid / max(finished, 1):.1f}%)")
+    for line in failures:
+        print(f"  invalid {line}")
+    return jobs, valid_jobs
+
+
+def heldout_schemas(max_chars: int = 20_000) -> list[tuple[str, str, str]]:
+    """Real schemas this benchmark's folder does not hold: the object schemas (and those of
+    their properties and array items, two levels down, under `max_chars`) of the custom
+    resources the chart renders (KubeRay's RayCluster, prometheus-operator's PodMonitor,
+    ServiceMonitor and PrometheusRule: `k8s/crds/`) and of the chart's values
+    (`values.schema.json`). Subsets: the resource's kind, and "values"."""
+    import yaml
+
+    out: list[tuple[str, str, str]] = []
+
+    def walk(subset: str, name: str, schema, depth: int) -> None:
+        if not isinstance(schema, dict):
+            return
+        text = json.dumps(schema)
+        if schema.get("type") == "object" and schema.get("properties") and len(text) < max_chars:
+            out.append((subset, name, text))
+        if depth < 2:
+            for key, sub in (schema.get("properties") or {}).items():
+                walk(subset, f"{name}.{key}", sub, depth + 1)
+            walk(subset, f"{name}[]", schema.get("items"), depth + 1)
+
+    for path in sorted((ROOT / "k8s" / "crds").glob("*.yaml")):
+        crd = yaml.safe_load(path.read_text())
+        kind = crd["spec"]["names"]["kind"]
+        spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+        walk(kind, kind, spec, 0)
+    values = json.loads((ROOT / "k8s" / "splitstack" / "values.schema.json").read_text())
+    walk("values", "values", values, 0)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -145,50 +224,12 @@ def main() -> None:
     engine, _ = embedded_engine(MODEL, DTYPES[dtype], EngineOptions(kv_cache_bytes=1 << 30),
                                 args.threads)
     tok = load_tokenizer(MODEL)
-    schemas = load_schemas()
-    compiled, refused, crashed, cold, warm = coverage(schemas, engine.model.config.vocab_size)
-    total = len(schemas)
-    print(f"# structured outputs on JSONSchemaBench ({total} schemas, "
-          f"{len({s for s, _, _ in schemas})} subsets); model {MODEL.name}, {dtype}")
-    print(f"coverage: compiled {len(compiled)}/{total} ({100 * len(compiled) / total:.1f}%), "
-          f"refused with a 400 {len(refused)} ({100 * len(refused) / total:.1f}%), "
-          f"crashed {len(crashed)}")
-    for subset in sorted({s for s, _, _ in schemas}):
-        n = sum(1 for s, _, _ in schemas if s == subset)
-        c = sum(1 for s, *_ in compiled if s == subset)
-        print(f"  {subset}: {c}/{n}")
-    for subset, name, why in refused:
-        print(f"  refused {subset}/{name}: {why}")
-    print(f"compile ms, p50 / p99: cold {1e3 * pct(cold, .5):.2f} / {1e3 * pct(cold, .99):.2f}; "
-          f"cached {1e3 * pct(warm, .5):.3f} / {1e3 * pct(warm, .99):.3f}")
-
-    chosen = round_robin(compiled, args.validity)
-    jobs = []
-    for subset, name, text, grammar in chosen:
-        spec = StructuredSpec("json_schema", text)
-        jobs.append((prompt_ids(tok, name, json.loads(text)),
-                     GenerationParams(max_tokens=args.max_tokens, structured=spec,
-                                      sampling=SamplingParams(temperature=0.0))))
-    finished = valid = 0
-    valid_jobs = []
-    failures = []
-    for a in range(0, len(jobs), 16):
-        seqs, _ = generate(engine, jobs[a:a + 16])
-        for (subset, name, text, _), seq, job in zip(chosen[a:a + 16], seqs, jobs[a:a + 16]):
-            if seq.finish_reason != "stop":
-                continue
-            finished += 1
-            out = tok.decode(seq.output_ids, skip_special_tokens=True)
-            try:
-                jsonschema.validate(json.loads(out), json.loads(text))
-                valid += 1
-                valid_jobs.append(job)
-            except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as exc:
-                failures.append(f"{subset}/{name}: {type(exc).__name__}: {str(exc)[:100]}")
-    print(f"validity: {len(jobs)} schemas asked, at most {args.max_tokens} tokens: finished "
-          f"{finished}, valid {valid}/{finished} ({100 * valid / max(finished, 1):.1f}%)")
-    for line in failures:
-        print(f"  invalid {line}")
+    print(f"# structured outputs; model {MODEL.name}, {dtype}")
+    jobs, valid_jobs = report(engine, tok, "JSONSchemaBench", load_schemas(), args.validity,
+                              args.max_tokens)
+    heldout = heldout_schemas()
+    report(engine, tok, "held out (schemas of the chart's CRDs and values, not in "
+           "JSONSchemaBench)", heldout, len(heldout), args.max_tokens)
 
     pool = valid_jobs or jobs
     print(f"throughput: decode tok/s, {args.decode_tokens} tokens a request, median of "
