@@ -62,8 +62,7 @@ class Runner(Protocol):
     engine thread only."""
 
     # True: `execute` may get its sampling rows as a Future, resolved only when it samples,
-    # so the engine computes the grammars' masks while the layers run (a runner that waits
-    # on other processes for them: the Q-First one)
+    # so the engine fills the grammars' masks on a thread while the layers run
     defers_sampling: bool
 
     def execute(self, out: SchedulerOutput,
@@ -142,7 +141,7 @@ class ModelRunner:
     """The monolithic runner: the whole model in this process, the cache in a
     `CacheStorage` (embedded server, prefill replicas)."""
 
-    defers_sampling = False      # its sampling reads the rows before the layers run
+    defers_sampling = True       # the masks are filled while the forward runs
 
     def __init__(self, model: CausalLM, cache: CacheStorage, attention_backend: str | None = None,
                  keep_hidden: tuple[int, ...] = (), compile_buckets: tuple[int, ...] = (),
@@ -179,8 +178,11 @@ class ModelRunner:
                                     "eagerly", exc_info=True)
                         self.compiled = None
 
-    def execute(self, out: SchedulerOutput, sampling: SamplingRows) -> Sampled:
+    def execute(self, out: SchedulerOutput,
+                sampling: SamplingRows | Future[SamplingRows]) -> Sampled:
         logits = self.run(out)
+        if isinstance(sampling, Future):
+            sampling = sampling.result()
         return Sampled(*sample(logits, *sampling), logits)
 
     def install(self, table: list[int], slot: int | None, export: PromptExport) -> None:
