@@ -89,16 +89,26 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_masks(logits: torch.Tensor, histories) -> tuple[torch.Tensor, list]:
-    """The rows' grammar masks applied in one batched op: (logits with every disallowed
-    token at -inf, the histories without their masks). `logits` itself when none has one."""
+    """The rows' grammar masks applied in one batched op (xgrammar's CPU or CUDA kernel when
+    it is installed): (logits with every disallowed token at -inf, the histories without
+    their masks). `logits` itself when none has one."""
     rows = [i for i, h in enumerate(histories or ()) if h is not None and h.allowed is not None]
     if not rows:
         return logits, histories
-    words = torch.stack([histories[i].allowed for i in rows]).to(logits.device)
-    index = torch.tensor(rows, device=logits.device)
+    vocab = logits.shape[-1]
+    words = torch.full((logits.shape[0], -(-vocab // 32)), -1, dtype=torch.int32)
+    for i in rows:                 # a row's tokens past its grammar's vocabulary: disallowed
+        allowed = histories[i].allowed
+        words[i, :allowed.numel()] = allowed
+        words[i, allowed.numel():] = 0
+    words = words.to(logits.device)
     out = logits.clone()
-    out[index] = out[index].masked_fill(~unpack_bitmask(words, logits.shape[-1]),
-                                        float("-inf"))
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        out[rows] = out[rows].masked_fill(~unpack_bitmask(words[rows], vocab), float("-inf"))
+    else:
+        apply_token_bitmask_inplace(out, words, vocab_size=vocab, indices=rows)
     histories = list(histories)
     for i in rows:
         histories[i] = histories[i]._replace(allowed=None)

@@ -101,3 +101,32 @@ def test_bias_then_repetition_then_frequency_and_presence_penalties():
 def test_bad_processing_params_raise(kwargs):
     with pytest.raises(SamplingError):
         SamplingParams(**kwargs)
+
+
+def test_grammar_masks_agree_with_and_without_xgrammars_kernel(monkeypatch):
+    """`apply_masks` on some rows of a batch: xgrammar's kernel and the torch fallback set
+    the same tokens to -inf (exactly those whose bit is 0, and every token past a short
+    grammar vocabulary), and leave the other rows and tokens as they were."""
+    import sys
+
+    from kernels.sampling import History, apply_masks, unpack_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows = 100, (1, 3)
+    logits = torch.randn(5, vocab, generator=gen)
+    words = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32, generator=gen)
+    words[1, 3] = -1                       # row 3's grammar knows 96 tokens only: below
+    histories = [None] * 5
+    histories[1] = History([], [], (), words[0])
+    histories[3] = History([], [], (), words[1][:3])
+    kernel, rest = apply_masks(logits, histories)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)       # import fails: the fallback
+    fallback, _ = apply_masks(logits, histories)
+    assert torch.equal(kernel, fallback)
+    assert all(h is None or h.allowed is None for h in rest)
+    want = logits.clone()
+    allowed = unpack_bitmask(words, vocab)
+    allowed[1, 96:] = False
+    for j, i in enumerate(rows):
+        want[i][~allowed[j]] = float("-inf")
+    assert torch.equal(kernel, want)
