@@ -20,7 +20,8 @@ constrained decode throughput against unconstrained, in one run.
   the steps in which the whole batch decodes; medians over `--repeats`; constrained with
   the grammar masks filled on a thread beside the layers (as served) and, for comparison,
   before them. With `--qfirst` also on a Q-First attention service whose MLP pool replica
-  serves over loopback gRPC (the Ray deployment's data path).
+  serves over loopback gRPC (the Ray deployment's data path): validity of the same schemas
+  (and how many outputs equal the embedded engine's), and throughput.
 
 The engine is the embedded one at `--dtype auto` (this machine's serving dtype).
 """
@@ -133,7 +134,8 @@ def full_batch_rate(engine, jobs) -> float:
 
 def report(engine, tok, label: str, schemas, asked: int, max_tokens: int):
     """Coverage, compile time and validity of one schema set (`asked` compiled schemas,
-    round-robin over its subsets, greedy, 16 at a time); returns (jobs, valid jobs)."""
+    round-robin over its subsets); returns (the schemas asked, their jobs, the valid jobs,
+    the outputs)."""
     compiled, refused, crashed, cold, warm = coverage(schemas, engine.model.config.vocab_size)
     total = len(schemas)
     print(f"## {label}: {total} schemas, {len({s for s, _, _ in schemas})} subsets")
@@ -155,11 +157,18 @@ def report(engine, tok, label: str, schemas, asked: int, max_tokens: int):
         jobs.append((prompt_ids(tok, name, json.loads(text)),
                      GenerationParams(max_tokens=max_tokens, structured=spec,
                                       sampling=SamplingParams(temperature=0.0))))
+    return (chosen, jobs, *validity(engine, tok, chosen, jobs, max_tokens))
+
+
+def validity(engine, tok, chosen, jobs, max_tokens: int):
+    """Each schema of `chosen` asked greedily (16 at a time): the share that finished and,
+    of those, the share `jsonschema` accepts. Returns (the valid jobs, each output)."""
     finished = valid = 0
-    valid_jobs, failures = [], []
+    valid_jobs, failures, outputs = [], [], []
     for a in range(0, len(jobs), 16):
         seqs, _ = generate(engine, jobs[a:a + 16])
         for (subset, name, text, _), seq, job in zip(chosen[a:a + 16], seqs, jobs[a:a + 16]):
+            outputs.append(seq.output_ids)
             if seq.finish_reason != "stop":
                 continue
             finished += 1
@@ -176,7 +185,7 @@ def report(engine, tok, label: str, schemas, asked: int, max_tokens: int):
           f"{finished}, valid {valid}/{finished} ({100 * valid / max(finished, 1):.1f}%)")
     for line in failures:
         print(f"  invalid {line}")
-    return jobs, valid_jobs
+    return valid_jobs, outputs
 
 
 def heldout_schemas(max_chars: int = 20_000) -> list[tuple[str, str, str]]:
@@ -229,12 +238,13 @@ def main() -> None:
                                 args.threads)
     tok = load_tokenizer(MODEL)
     print(f"# structured outputs; model {MODEL.name}, {dtype}")
-    jobs, valid_jobs = report(engine, tok, "JSONSchemaBench", load_schemas(), args.validity,
-                              args.max_tokens)
     heldout = heldout_schemas()
-    report(engine, tok, "held out (schemas of the chart's CRDs and values, not in "
-           "JSONSchemaBench)", heldout, len(heldout), args.max_tokens)
-
+    sets = {"JSONSchemaBench": report(engine, tok, "JSONSchemaBench", load_schemas(),
+                                      args.validity, args.max_tokens),
+            "held out": report(engine, tok, "held out (schemas of the chart's CRDs and values, "
+                               "not in JSONSchemaBench)", heldout, len(heldout),
+                               args.max_tokens)}
+    _, jobs, valid_jobs, _ = sets["JSONSchemaBench"]
     pool = valid_jobs or jobs
     print(f"throughput: decode tok/s, {args.decode_tokens} tokens a request, median of "
           f"{args.repeats}; constrained with the masks filled beside the layers (as served) "
@@ -244,8 +254,14 @@ def main() -> None:
     if args.qfirst:
         engine, server = qfirst(dtype, engine.model.config.vocab_size)
         try:
-            print("Q-First attention service, one MLP pool replica over loopback gRPC (the Ray "
-                  "deployment's data path)")
+            print("## Q-First attention service, one MLP pool replica over loopback gRPC (the "
+                  "Ray deployment's data path)")
+            for label, (chosen, jobs, _, outputs) in sets.items():
+                print(f"{label}, the same schemas asked:")
+                _, got = validity(engine, tok, chosen, jobs, args.max_tokens)
+                same = sum(a == b for a, b in zip(got, outputs))
+                print(f"  outputs identical to the embedded engine's: {same}/{len(outputs)}")
+            print("throughput: decode tok/s, as above; Q-First")
             throughput(engine, pool, args, {"unconstrained": "free", "beside": "json",
                                             "before": "json-first"})
         finally:
