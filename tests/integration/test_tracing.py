@@ -6,6 +6,8 @@ children, the attention service's span under `llm_request` and the prefill repli
 that; with tracing off nothing is recorded and no trace context is sent."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -78,6 +80,11 @@ def test_one_trace_spans_gateway_attention_service_and_prefill_replica(stack, mo
     assert exporter.get_finished_spans() == () and tracing.inject() == []   # off
     tracing.configure(None, "test", provider=provider)
     complete(stack, {"traceparent": TRACEPARENT})
+    # the HTTP span ends once the response's last bytes are sent: the client may have read
+    # them a moment before
+    deadline = time.monotonic() + 30
+    while len(exporter.get_finished_spans()) < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert set(spans) == {"POST /v1/completions", "llm_request", "queue", "prefill", "decode",
                           "attention_generate", "prefill_replica"}
