@@ -119,7 +119,16 @@ class Grammars:
 
     def _xgrammar(self, spec: StructuredSpec):
         if spec.kind == "json_schema":
-            return self.compiler.compile_json_schema(spec.value, any_whitespace=False)
+            compiled = self.compiler.compile_json_schema(spec.value, any_whitespace=False)
+            if _rejects_null(spec.value) and self._xgr.GrammarMatcher(compiled).accept_string(
+                    "null"):
+                # xgrammar gave up on a keyword (allOf of if/then, say) with a warning only
+                # and reads the schema as any JSON value: served, its constraints would go
+                # unenforced
+                raise ValueError("xgrammar reads this schema as any JSON value (a keyword "
+                                 "it cannot express, such as allOf with if/then): its "
+                                 "constraints would not be enforced")
+            return compiled
         if spec.kind == "json_object":
             return self.compiler.compile_builtin_json_grammar()
         if spec.kind == "regex":
@@ -224,6 +233,13 @@ def masks(matchers: list[Matcher | None], metrics=None) -> list[torch.Tensor | N
     if metrics is not None:
         metrics.masked(time.perf_counter() - start)
     return out
+
+
+def _rejects_null(schema_text: str) -> bool:
+    """The schema's `type` leaves out null (so a grammar that takes `null` is looser)."""
+    schema = json.loads(schema_text)
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    return kind is not None and "null" not in ([kind] if isinstance(kind, str) else kind)
 
 
 def tagged_json(xgr, value: str):

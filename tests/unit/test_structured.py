@@ -255,3 +255,28 @@ def test_auto_falls_back_to_guidance_and_a_spec_neither_compiles_names_both(engi
     message = str(err.value)
     assert err.value.field == "structured_outputs.regex"
     assert "xgrammar: " in message and "guidance: " in message
+
+
+def test_a_schema_xgrammar_would_leave_unenforced_is_not_served_as_any_json(engine):
+    """xgrammar reads a schema with allOf of if/then as any JSON value, with a warning only.
+    Such a schema is not served unenforced: `auto` tries llguidance, and when it cannot
+    either, the 400 names both reasons (llguidance names the keys)."""
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"kind": {"enum": ["a", "b"]}, "size": {"type": "integer"}},
+              "allOf": [{"if": {"properties": {"kind": {"const": "a"}}},
+                         "then": {"required": ["size"]}}]}
+    import xgrammar as xgr
+
+    loose = xgr.Grammar.from_json_schema(json.dumps(schema))
+    assert xgr.GrammarMatcher(engine.grammars.compiler.compile_grammar(loose)).accept_string(
+        "null")                                 # what it would have enforced: any JSON
+    with pytest.raises(RequestError) as err:
+        engine.grammars.compile(StructuredSpec("json_schema", json.dumps(schema)))
+    message = str(err.value)
+    assert "xgrammar reads this schema as any JSON value" in message
+    assert "guidance: " in message and '"if"' in message
+    # the same schema without the if/then is enforced by xgrammar, null refused
+    del schema["allOf"]
+    compiled = engine.grammars.compile(StructuredSpec("json_schema", json.dumps(schema)))
+    assert compiled.backend == "xgrammar"
+    assert not xgr.GrammarMatcher(compiled.grammar).accept_string("null")
