@@ -89,7 +89,7 @@ def test_openai_client_gets_the_exact_engines_tokens(cluster, reference, ray_ses
     for address in handles.attention_addresses:          # one series per attention service
         assert f'splitstack_attention_up{{member="{address}"}} 1.0' in metrics
         assert f'splitstack_attention_requests_running{{member="{address}"}} 0.0' in metrics
-    for address in handles.pool_addresses:     # each pool replica's own /metrics, scraped where it runs
+    for address in handles.pool_addresses:     # each replica's own /metrics
         assert f'splitstack_pool_up{{member="{address}"}} 1.0' in metrics
         stages = re.search(rf'^splitstack_pool_stage_seconds_count\{{kind="stage",'
                            rf'member="{re.escape(address)}"\}} (\S+)$', metrics, re.M)
