@@ -3,18 +3,12 @@ text, as last polled), so one `/metrics` shows both: the engine process behind a
 gateway."""
 from __future__ import annotations
 
-from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 
 class ReExported:
     def __init__(self):
-        self.latest: dict[str, str] = {}      # source -> its exposition text
+        self.text = ""                 # the other process's exposition, as last polled
 
     def collect(self):
-        merged: dict[str, Metric] = {}
-        for _, text in sorted(self.latest.items()):
-            for fam in text_string_to_metric_families(text):
-                out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
-                out.samples.extend(fam.samples)
-        yield from merged.values()
+        yield from text_string_to_metric_families(self.text)

@@ -143,7 +143,7 @@ class EngineProcess(EngineClient):
             self._pending[ticket] = (loop, fut, None)
         self._post(("metrics", ticket))
         try:
-            self.metrics.latest["engine"] = await asyncio.wait_for(fut, 2.0)
+            self.metrics.text = await asyncio.wait_for(fut, 2.0)
         except (asyncio.TimeoutError, EngineDeadError):
             with self._lock:
                 self._pending.pop(ticket, None)

@@ -71,6 +71,7 @@ class Grammars:
         self.compiler = None              # xgrammar's
         self.guidance = None              # llguidance's tokenizer
         self._seen: set[tuple[str, str]] = set()
+        self._enforced: set[str] = set()  # schemas xgrammar was seen to enforce (not as any JSON)
         self._lock = threading.Lock()
 
     def _load(self, backend: str) -> None:
@@ -120,14 +121,15 @@ class Grammars:
     def _xgrammar(self, spec: StructuredSpec):
         if spec.kind == "json_schema":
             compiled = self.compiler.compile_json_schema(spec.value, any_whitespace=False)
-            if _rejects_null(spec.value) and self._xgr.GrammarMatcher(compiled).accept_string(
-                    "null"):
+            if spec.value not in self._enforced and _rejects_null(spec.value) and \
+                    self._xgr.GrammarMatcher(compiled).accept_string("null"):
                 # xgrammar gave up on a keyword (allOf of if/then, say) with a warning only
                 # and reads the schema as any JSON value: served, its constraints would go
                 # unenforced
                 raise ValueError("xgrammar reads this schema as any JSON value (a keyword "
                                  "it cannot express, such as allOf with if/then): its "
                                  "constraints would not be enforced")
+            self._enforced.add(spec.value)   # checked once per schema, as compiles are cached
             return compiled
         if spec.kind == "json_object":
             return self.compiler.compile_builtin_json_grammar()

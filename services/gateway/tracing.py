@@ -67,6 +67,8 @@ class RequestTrace:
         return trace.use_span(self.span, end_on_exit=False)
 
     def first(self, step, ttft_s: float) -> None:
+        if not self.span.is_recording():      # tracing off: nothing to time
+            return
         self.first_ns = now = time.time_ns()
         self.span.set_attribute("gen_ai.latency.time_to_first_token", ttft_s)
         if step.queue_s is None:        # an engine that does not time its stages
@@ -80,6 +82,8 @@ class RequestTrace:
         self.span.set_attribute("gen_ai.latency.time_in_model_prefill", step.prefill_s)
 
     def finish(self, outcome: str, completion_tokens: int, e2e_s: float) -> None:
+        if not self.span.is_recording():
+            return
         now = time.time_ns()
         if self.first_ns is not None:
             tracing.tracer().start_span("decode", context=self.context,

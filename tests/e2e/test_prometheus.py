@@ -32,7 +32,7 @@ from services.deployment.ray_cluster import ClusterConfig
 from services.deployment.server import build_cluster
 from services.gateway.ratelimit import RateLimits
 from services.prefill.service import PrefillConfig
-from tests.helpers.gateway import MODEL, ZOO, running
+from tests.helpers.gateway import MODEL, ZOO, metrics_urls, running
 from tests.helpers.prometheus import (PROMETHEUS_DIR, PanelQuery, dashboards, empty_panels,
                                       panel_queries, running_prometheus, substitute,
                                       variable_values)
@@ -182,18 +182,11 @@ def documented(deployment: str) -> dict[str, tuple[str, frozenset]]:
     return out
 
 
-def scraped(base: str) -> list[str]:
-    """The /metrics URLs of a deployment: its gateway's, and each member's it lists for
-    discovery (the Ray deployment's)."""
-    groups = httpx.get(base + "/admin/scrape-targets", timeout=30).json()
-    return [base + "/metrics"] + [f"http://{t}/metrics" for g in groups for t in g["targets"]]
-
-
 def exported(base: str) -> dict[str, tuple[str, frozenset | None]]:
     """name -> (type, labels) of each family the deployment's /metrics endpoints export
     (labels None: no sample yet)."""
     out = {}
-    families = [fam for url in scraped(base)
+    families = [fam for url in metrics_urls(base)
                 for fam in text_string_to_metric_families(httpx.get(url, timeout=30).text)]
     for fam in families:
         name = fam.name + "_total" if fam.type == "counter" else fam.name

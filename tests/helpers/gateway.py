@@ -83,12 +83,17 @@ def stream_completion(base: str, prompt: list[int], max_tokens: int,
     return text, None
 
 
-def deployment_metrics(base: str) -> str:
-    """The deployment's series as Prometheus scrapes them: the gateway's /metrics, then each
-    member's own (the Ray deployment's, listed at /admin/scrape-targets), one after another."""
+def metrics_urls(base: str) -> list[str]:
+    """Where a deployment's series are scraped: its gateway's /metrics, and each member's
+    the gateway lists for discovery (/admin/scrape-targets: the Ray deployment's)."""
     groups = httpx.get(base + "/admin/scrape-targets", timeout=30).json()
-    return "".join(httpx.get(url, timeout=30).text for url in [base + "/metrics"] + [
-        f"http://{t}/metrics" for g in groups for t in g["targets"]])
+    return [base + "/metrics"] + [f"http://{t}/metrics" for g in groups for t in g["targets"]]
+
+
+def deployment_metrics(base: str) -> str:
+    """The deployment's series as Prometheus scrapes them (`metrics_urls`), one endpoint's
+    exposition after another."""
+    return "".join(httpx.get(url, timeout=30).text for url in metrics_urls(base))
 
 
 def fresh_metrics(base: str, timeout_s: float = 60.0) -> str:
