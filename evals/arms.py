@@ -2,7 +2,8 @@
 
 An arm answers two questions about a prompt: the logits it yields at the last `tail_len`
 positions (for losses and agreement), and its greedy completion (for retrieval). `exact` is
-the reference; RidgeFill and Tail-Replay register their own arms with `register_arm`.
+the reference; RidgeFill and Tail-Replay register their own arms with `register_arm`, and
+`evals.catalog.make_arm` builds any of them by name.
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import torch
 from models.model import CausalLM
 from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.kv_cache import CacheStorage
-from services.prefill.fill_layers import FILL_DTYPES
 
 ARMS: dict[str, type["Arm"]] = {}
 
@@ -24,28 +24,6 @@ def register_arm(name: str):
         ARMS[name] = cls
         return cls
     return wrap
-
-
-# `ARM@DTYPE` runs a fill arm's filled rows (map, norm, projections) in DTYPE
-# (services/prefill/fill_layers.py); it is paired with ARM itself when both run
-FILL_DTYPE_SUFFIXES = tuple(name for name in FILL_DTYPES if name != "model")
-
-
-def make_arm(name: str, model: CausalLM, **options) -> "Arm":
-    import evals.ridgefill_arms  # noqa: F401  (the built-in arms register on import)
-    import evals.tailreplay_arms  # noqa: F401
-    base, _, fill_dtype = name.partition("@")
-    if base not in ARMS:
-        raise ValueError(f"unknown arm {base!r}; registered: {sorted(ARMS)}")
-    if fill_dtype:
-        cls = ARMS[base]
-        if fill_dtype not in FILL_DTYPE_SUFFIXES or not getattr(cls, "takes_fill_dtype", False):
-            raise ValueError(f"arm {name!r}: only RidgeFill-family arms take a fill dtype, "
-                             f"one of {FILL_DTYPE_SUFFIXES}")
-        arm = cls(model, fill_dtype=fill_dtype, **options)
-        arm.name = name
-        return arm
-    return ARMS[base](model, **options)
 
 
 class Arm(ABC):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from evals import arms as arms_mod
+from evals import catalog
 from evals.corpus import SOURCE_NAME, documents, haystack_text
 from evals.heldout import texts as heldout_texts
 from evals.heldout.families import FAMILIES, make_family_items
@@ -161,9 +161,9 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
     options = {"tail": cfg.tail_len, **(arm_options or {})}
     if any("+probe" in name.partition("@")[0] for name in arm_names):
         options.setdefault("lexicon", Lexicon.from_tokenizer(tokenizer, model.config.vocab_size))
-    arm_objs = {name: arms_mod.make_arm(name, model, **({} if name == "exact" else options))
+    arm_objs = {name: catalog.make_arm(name, model, **({} if name == "exact" else options))
                 for name in arm_names}
-    exact = arm_objs.get("exact") or arms_mod.make_arm("exact", model)
+    exact = arm_objs.get("exact") or catalog.make_arm("exact", model)
     filler = (tokenizer(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
               if cfg.tasks else [])
     results = {name: ArmResult() for name in arm_names}

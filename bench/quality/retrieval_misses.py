@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from evals import arms as arms_mod
+from evals import catalog
 from evals.corpus import documents
 from evals.run import haystack_text
 from evals.tasks import make_items
@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model)
-    arm = arms_mod.make_arm("exact", load_model(args.model))
+    arm = catalog.make_arm("exact", load_model(args.model))
     filler = tok(haystack_text(documents("eval")), add_special_tokens=False)["input_ids"]
     items = make_items(args.task, tok, filler, args.length, args.n_items, args.seed)
     outs = arm.complete([it.prompt_ids for it in items], 14)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evals.arms import make_arm
+from evals.catalog import make_arm
 from models import load_model
 from models.random_checkpoint import save_random_checkpoint
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from evals.arms import make_arm
+from evals.catalog import make_arm
 from evals.run import SAME_ARM, _references
 from models.config import FULL_ATTENTION
 from services.prefill.fill_layers import (FILLED_ATTN_MODULES, FILLED_GDN_MODULES, FillLayers,

@@ -226,7 +226,7 @@ def test_net_takes_a_long_sentences_rows_around_its_best_word():
 def test_the_nets_order_reaches_the_probes_rows(tiny_fill):
     """`lexical_rank` picks which sentence the probe computes exactly: on a prompt whose
     question is short, the seed's order takes the haystack sentence, BM25 the needle."""
-    from evals.arms import make_arm
+    from evals.catalog import make_arm
 
     model, maps = tiny_fill
     ids, tail, long_at, needle_at, needle = short_question_prompt()
