@@ -10,9 +10,11 @@ import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.chart import (CHART, MONITORING_API, RELEASE, REPOSITORY, VALUE_SETS, find,
                                 helm, render, value_args)
@@ -253,6 +255,25 @@ def test_the_gateway_hpa_scales_on_queue_depth_not_cpu():
     assert metric["pods"]["target"]["type"] == "AverageValue"
     assert "splitstack_requests_waiting" in (Path(__file__).parents[2] / "services" / "gateway"
                                              / "metrics.py").read_text()
+
+
+def test_the_gateway_hpa_can_read_the_queue_as_an_external_metric(tmp_path):
+    """Where the adapter (or KEDA's metrics server) serves external metrics only: the
+    release's queue, selected by its namespace and job, averaged by the HPA over the pods."""
+    docs = render("values-autoscale.yaml", "gateway.hpa.metricSource=external")
+    (metric,) = find(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "splitstack_requests_waiting"
+    labels = metric["external"]["metric"]["selector"]["matchLabels"]
+    assert labels["job"] == find(docs, "Service", "-gateway")["metadata"]["name"]
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "4"}
+    manifest = tmp_path / "hpa.yaml"
+    manifest.write_text(yaml.safe_dump(find(docs, "HorizontalPodAutoscaler")))
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.30.0",
+                          str(manifest)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and " passed for resource " in out.stdout, out.stdout + out.stderr
+    out = template(*value_args("values-autoscale.yaml"), "--set", "gateway.hpa.metricSource=cpu")
+    assert out.returncode != 0 and "metricSource" in out.stderr
 
 
 # ---- 10. probes ----------------------------------------------------------------------------------
