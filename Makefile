@@ -15,7 +15,7 @@ export PYTHONWARNINGS=ignore::UserWarning
 
 PB     := services/common/pb/splitstack_pb2.py
 
-.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync structure image image-cuda base-image test test-fast bench bench-peers run clean
+.PHONY: setup models proto tools grafana-schema prometheus dashboards chart-sync structure image image-cuda local-image base-image test test-fast bench bench-peers run clean
 
 ## setup: virtualenv with the project, its test extras, the offline model zoo and the tools
 setup: $(STAMP) proto models tools grafana-schema prometheus
@@ -123,6 +123,11 @@ image image-cuda:
 	$(CONTAINER_BUILD) -f k8s/Containerfile.$(if $(filter image,$@),cpu,cuda) \
 		-t $(IMAGE):$(IMAGE_TAG)-$(if $(filter image,$@),cpu,cuda) \
 		$(if $(and $(BASE),$(filter image,$@)),--build-arg BASE=$(BASE)) $(IMAGE_BUILD_FLAGS) .
+
+## local-image: the CPU image on a machine that reaches only package registries, from a fresh
+## clone (root: installs podman, configures it, makes the base image; k8s/local-image.sh)
+local-image:
+	k8s/local-image.sh
 
 ## base-image: localhost/debian-base:bookworm (Debian's python3 3.11) from mmdebstrap, for
 ## `make image BASE=localhost/debian-base:bookworm` where no registry serves the python image
