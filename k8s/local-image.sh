@@ -24,6 +24,10 @@ fi
 base=localhost/debian-base:bookworm
 podman image exists "$base" || make base-image
 
+# pip's own settings where the environment does not set them (a user's or the machine's pip.conf)
+pip_setting() { python3 -m pip config list 2>/dev/null | sed -n "s/^global\.$1='\(.*\)'$/\1/p" | head -1; }
+PIP_FIND_LINKS=${PIP_FIND_LINKS:-$(pip_setting find-links)}
+PIP_CERT=${PIP_CERT:-$(pip_setting cert)}
 flags=(--network=host)
 if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
   flags+=(-v "$PIP_FIND_LINKS:$PIP_FIND_LINKS:ro" --build-arg "PIP_FIND_LINKS=$PIP_FIND_LINKS"
