@@ -140,7 +140,7 @@ base-image:
 ## test: the import contracts (.importlinter), then the whole suite (what CI runs)
 test: setup
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 tests
 
 ## test-fast: the inner loop: contracts and the tests not marked slow (no real model, Ray or HTTP)
 test-fast: setup
@@ -192,7 +192,7 @@ $(PEERS)/smollm2-135m-%.gguf: $(PEERS)/src/.unpacked $(SMOLLM)
 ## run: serve the embedded default model on http://127.0.0.1:8000/v1 (OpenAI API)
 run: setup
 	$(PY) -m services.cli serve --model $(ZOO)/smollm2-135m --host 127.0.0.1 --port $${PORT:-8000} \
-		--compile --engine-process
+		--compile --engine-process --prefix-cache
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

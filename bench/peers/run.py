@@ -166,6 +166,15 @@ SERVERS = {   # name -> command line (PORT filled in)
         sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
         "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--quantization", "int8",
         "--compile", "--engine-process"],
+    # `make run` (the prefix cache keeps each chat's system prompt, as llama-server's slots do)
+    "splitstack --compile --engine-process --prefix-cache": [
+        sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
+        "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--compile",
+        "--engine-process", "--prefix-cache"],
+    "splitstack int8 --compile --engine-process --prefix-cache": [
+        sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL), "--host",
+        "127.0.0.1", "--port", "{port}", "--log-level", "warning", "--quantization", "int8",
+        "--compile", "--engine-process", "--prefix-cache"],
     # llama.cpp's own server, parallel slots and continuous batching (`make bench-peers`)
     "llama-server": [str(PEERS / "llama-server/bin/llama-server"), "-m",
                      str(PEERS / "smollm2-135m-bf16.gguf"), "--host", "127.0.0.1", "--port",
