@@ -140,16 +140,18 @@ def evaluate_retrieval(arm, items_by_task, tokenizer, cfg: EvalConfig, result: A
 
 def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
              dtype: torch.dtype = torch.float32, log=print,
-             arm_options: dict | None = None, quantization: str | None = None) -> dict:
+             arm_options: dict | None = None, quantization: str | None = None,
+             quantize_prompts: bool = True) -> dict:
     """`arm_options` (maps_dir, split, budget, ...) go to every non-exact arm; their tail
     defaults to the eval's tail_len, so the scored tail is always computed exactly.
     `quantization` (int8): every product of the model reads its int8 copy, prompts too, so
-    the losses and answers bound those of the serving mode (which keeps prompts unquantized)."""
+    the losses and answers bound those of the serving mode; with `quantize_prompts` False,
+    the serving mode itself (products of more than 16 rows, prompts, keep the weights)."""
     from models import load_model
     from services.common.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
-    model = load_model(model_dir, dtype=dtype).quantize(quantization, prompts=True)
+    model = load_model(model_dir, dtype=dtype).quantize(quantization, prompts=quantize_prompts)
     # an item's answer is generated after its prompt: both must fit the model's positions
     too_long = [n for n in cfg.lengths
                 if n + MAX_ANSWER_TOKENS > model.config.max_position_embeddings]
@@ -183,6 +185,8 @@ def run_eval(model_dir: str | Path, arm_names: list[str], cfg: EvalConfig,
             log(f"[eval] {name} @ {length}: {timings[f'{name}@{length}']:.1f}s")
     summary = summarize(results, cfg, model_dir, timings)
     summary["dtype"], summary["quantization"] = str(dtype).removeprefix("torch."), quantization
+    if quantization is not None:
+        summary["quantized_prompts"] = quantize_prompts
     return summary
 
 

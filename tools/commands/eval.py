@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--quantization", choices=("int8",),
                     help="int8: score the model with int8 in every product "
                          "(prompts too: a bound on the serving mode, which keeps prompts)")
+    ev.add_argument("--served-quantization", action="store_true",
+                    help="with --quantization: as `serve` quantizes, products of more than "
+                         "16 rows (prompts) keep the weights")
     ev.add_argument("--threads", type=bounded(1), default=2)
     ev.add_argument("--out", help="write JSON here (and the table beside it as .md)")
     ev.add_argument("--maps", help="RidgeFill maps directory (for the fill arms)")
@@ -63,7 +66,8 @@ def run(argv: list[str]) -> int:
                                  ("budget", args.budget), ("lexical", args.lexical))
                if v is not None}
     summary = run_eval(args.model, args.arms.split(","), cfg, DTYPES[args.dtype], log=log,
-                       arm_options=options, quantization=args.quantization)
+                       arm_options=options, quantization=args.quantization,
+                       quantize_prompts=not args.served_quantization)
     print(write_outputs(summary, args.out))
     print(f"[eval finished in {time.perf_counter() - start:.0f}s]", file=sys.stderr)
     return 0
