@@ -150,3 +150,22 @@ def test_quantize_moves_the_native_copies_into_one_buffer(tiny_checkpoint):
         return
     starts = [c.packed.data.data_ptr() for c in copies]
     assert starts == sorted(starts) and starts[0] % cpu_int8.HUGE_PAGE == 0
+
+
+def test_the_eval_scores_int8_as_served_or_as_its_strict_bound():
+    """`eval --quantization int8 --served-quantization` keeps the prompts' products on the
+    weights, as `serve --quantization int8` does: its teacher-forced losses (prompt rows)
+    equal the plain model's exactly, where the strict bound (int8 everywhere) moves them."""
+    from evals.run import EvalConfig, run_eval
+    from tests.helpers.gateway import ZOO
+
+    cfg = EvalConfig(lengths=(512,), tasks=(), families=("passkey",), n_items=1, n_docs=1,
+                     tail_len=128, resamples=100)
+
+    def loss(**quant) -> float:
+        summary = run_eval(ZOO, ["exact"], cfg, log=lambda *a: None, **quant)
+        return summary["arms"]["exact"]["new_token_loss"]["all"]["mean"]
+
+    plain = loss()
+    assert loss(quantization="int8", quantize_prompts=False) == plain
+    assert loss(quantization="int8", quantize_prompts=True) != plain
