@@ -169,3 +169,12 @@ def test_the_eval_scores_int8_as_served_or_as_its_strict_bound():
     plain = loss()
     assert loss(quantization="int8", quantize_prompts=False) == plain
     assert loss(quantization="int8", quantize_prompts=True) != plain
+
+
+def test_served_quantization_without_a_quantization_is_refused(capsys):
+    from tools.commands.eval import run
+
+    with pytest.raises(SystemExit) as exit_:
+        run(["--model", "unused", "--served-quantization"])
+    assert exit_.value.code == 2
+    assert "--served-quantization needs --quantization" in capsys.readouterr().err

@@ -55,7 +55,10 @@ def run(argv: list[str]) -> int:
     from evals.heldout.families import FAMILIES
     from evals.run import EvalConfig, run_eval, write_outputs
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.served_quantization and not args.quantization:
+        parser.error("--served-quantization needs --quantization")
     torch.set_num_threads(args.threads)
     families = tuple(FAMILIES) if args.families == "all" else _names(args.families)
     cfg = EvalConfig(lengths=args.lengths, tasks=_names(args.tasks), n_items=args.n_items,
