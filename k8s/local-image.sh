@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if ! command -v podman >/dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y podman buildah runc mmdebstrap
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman buildah runc mmdebstrap
 fi
 if [ ! -e /etc/containers/containers.conf ]; then
   mkdir -p /etc/containers
