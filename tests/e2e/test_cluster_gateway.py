@@ -6,11 +6,13 @@ The tests run in order: the last one kills an attention service.
 """
 from __future__ import annotations
 
+import json
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -315,6 +317,43 @@ def test_both_deployments_give_identical_results_and_errors(cluster, embedded, r
     long_usage = comparable(httpx.post(f"{base}/v1/completions",
                                        json=parity_requests(tok)[4][1], timeout=300))[2]
     assert long_usage["prompt_tokens"] == 700
+
+
+CITY = {"type": "object", "additionalProperties": False, "required": ["name", "capital"],
+        "properties": {"name": {"type": "string", "maxLength": 20},
+                       "capital": {"type": "boolean"}}}
+CONSTRAINED = [
+    {"response_format": {"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY, "strict": True}}},
+    {"tools": [{"type": "function", "function": {"name": "describe_city", "parameters": CITY}}],
+     "tool_choice": "required", "parallel_tool_calls": False},
+]
+
+
+@pytest.mark.parametrize("constraint", CONSTRAINED, ids=["json_schema", "tool_call"])
+def test_a_seeded_constrained_request_is_identical_on_both_deployments(cluster, embedded,
+                                                                       constraint, ray_session):
+    """The grammar travels with the request to the attention service and its masks to the
+    pool: a sampled, seeded constrained answer is the embedded engine's, token for token."""
+    base, _ = cluster
+    body = {"model": "smollm2-135m", "max_tokens": 48, "temperature": 0.9, "top_p": 0.95,
+            "seed": 13, "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
+            **constraint}
+    answers = []
+    for url in (embedded, base):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        message = choice["message"]
+        for call in message.get("tool_calls") or []:
+            call.pop("id")                                 # fresh per response
+        answers.append((message, choice["finish_reason"], usage))
+    assert answers[0] == answers[1]
+    message, reason, _ = answers[0]
+    if reason in ("stop", "tool_calls"):                   # finished: it is a valid instance
+        arguments = (message["content"] if "response_format" in constraint
+                     else message["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(json.loads(arguments), CITY)
 
 
 def test_killed_mlp_replica_is_retried_with_same_tokens(cluster, reference, ray_session):

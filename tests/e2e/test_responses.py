@@ -1,5 +1,5 @@
-"""/v1/responses with the official `openai` client: text, `previous_response_id` (stored in
-this process, and in a real Redis with its TTL), retrieval, a function-tool loop, and the
+"""/v1/responses with the official `openai` client, on the embedded and the Ray deployment:
+text, `previous_response_id` (stored in this process, and in a real Redis with its TTL), retrieval, a function-tool loop, and the
 streamed events against the whole response."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import redis
 from services.deployment.server import build_embedded
 from services.gateway.protocol import APIError
 from services.gateway.responses import ResponseStore, history
-from tests.helpers.gateway import MODEL, ZOO, client, running
+from tests.helpers.gateway import MODEL, ZOO, client, ray_deployment, running
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,15 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in 
 GREEDY = {"max_output_tokens": 20, "temperature": 0}
 
 
-@pytest.fixture(scope="module", params=["memory", "redis"])
+@pytest.fixture(scope="module", params=["memory", "redis", "ray"])
 def base(request):
-    store = ResponseStore(REDIS if request.param == "redis" else None, ttl_s=120)
+    """The embedded deployment with each store, and the Ray deployment with Redis's."""
+    store = ResponseStore(None if request.param == "memory" else REDIS, ttl_s=120)
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+        with ray_deployment(responses=store) as url:
+            yield url, "redis"
+        return
     app = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1, responses=store)
     with running(app) as url:
         yield url, request.param

@@ -1,5 +1,7 @@
-"""Structured outputs over real HTTP with the official `openai` client, with the engine on a
-thread and in its own process: `beta.chat.completions.parse` with a pydantic model, a
+"""Structured outputs over real HTTP with the official `openai` client, on the embedded
+deployment (the engine on a thread and in its own process) and on the Ray deployment (an
+attention service and an MLP pool replica over gRPC, the grammar's masks travelling to the
+pool): `beta.chat.completions.parse` with a pydantic model, a
 streamed json_schema answer equal to the whole one, vLLM's structured_outputs, and 400s
 naming the field for what cannot be compiled."""
 from __future__ import annotations
@@ -12,7 +14,7 @@ import pydantic
 import pytest
 
 from services.deployment.server import build_embedded
-from tests.helpers.gateway import MODEL, ZOO, client, running
+from tests.helpers.gateway import MODEL, ZOO, client, ray_deployment, running
 
 pytestmark = pytest.mark.slow
 
@@ -22,8 +24,13 @@ class City(pydantic.BaseModel):
     capital: bool
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
+@pytest.fixture(scope="module", params=["thread", "process", "ray"])
 def base(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_session")
+        with ray_deployment() as url:
+            yield url
+        return
     app = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1,
                          engine_process=request.param == "process")
     with running(app) as url:

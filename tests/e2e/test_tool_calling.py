@@ -11,9 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from services.deployment.ray_cluster import ClusterConfig
-from services.deployment.server import build_cluster, build_embedded
-from tests.helpers.gateway import MODEL, ZOO, client, running
+from services.deployment.server import build_embedded
+from tests.helpers.gateway import MODEL, ZOO, client, ray_deployment, running
 
 pytestmark = pytest.mark.slow
 
@@ -35,14 +34,8 @@ def base(request):
             yield url
         return
     request.getfixturevalue("ray_session")
-    config = ClusterConfig(model=str(ZOO), attention_shards=1, mlp_replicas=1, transport="grpc",
-                           kv_cache_bytes=64 << 20, max_num_seqs=4)
-    app, cluster = build_cluster(config, served_name=MODEL)
-    try:
-        with running(app) as url:
-            yield url
-    finally:
-        cluster.shutdown()
+    with ray_deployment() as url:
+        yield url
 
 
 def streamed(c, **kw) -> tuple[str, list[dict], str]:

@@ -42,6 +42,34 @@ def running(app):
         app.state.gateway.backend.close()
 
 
+@contextlib.contextmanager
+def ray_deployment(**build_options):
+    """The Ray deployment's gateway, on the session's Ray (request `ray_session` first): one
+    attention service and one MLP pool replica over gRPC, the engine's fp32 like
+    `build_embedded`'s default. Yields the base URL; on the way out, checks that the
+    attention service got every KV block back."""
+    import ray
+
+    from services.deployment.ray_cluster import ClusterConfig
+    from services.deployment.server import build_cluster
+
+    config = ClusterConfig(model=str(ZOO), attention_shards=1, mlp_replicas=1, transport="grpc",
+                           kv_cache_bytes=64 << 20, max_num_seqs=4)
+    app, cluster = build_cluster(config, served_name=MODEL, **build_options)
+    try:
+        with running(app) as url:
+            yield url
+        deadline, blocks = time.time() + 30, []
+        while time.time() < deadline:
+            blocks = ray.get([a.blocks.remote() for a in cluster.attention])
+            if all(free == total for free, total in blocks):
+                break
+            time.sleep(0.2)
+        assert all(free == total for free, total in blocks), f"KV blocks leaked: {blocks}"
+    finally:
+        cluster.shutdown()
+
+
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
 
