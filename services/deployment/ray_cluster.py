@@ -314,7 +314,7 @@ class AttentionReplica:
                                     kv_cache_bytes=c.kv_cache_bytes,
                                     max_num_seqs=c.max_num_seqs, prefill_service=service,
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)],
-                                    grammars=grammars_for(c.model, cfg.vocab_size,
+                                    grammars=grammars_for(c.model, cfg.vocab_size, registry,
                                                           backend=c.prefill.structured_backend))
         registry.register(EngineCollector(self.engine))
         self.metrics = MemberExporter(registry, c.host)

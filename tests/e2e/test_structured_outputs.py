@@ -12,9 +12,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.deployment.server import build_embedded
-from tests.helpers.gateway import MODEL, ZOO, client, ray_deployment, running
+from tests.helpers.gateway import (MODEL, ZOO, client, deployment_metrics, ray_deployment,
+                                   running)
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +49,28 @@ def test_parse_returns_the_pydantic_object(base):
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, City)
     assert City.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_the_engine_that_runs_the_grammars_counts_them(base):
+    """Constrained requests, their compile times and the step's mask times are exported by
+    the engine that runs the grammars: the gateway's (re-exported from the engine's
+    process) or, on Ray, the attention service's own endpoint."""
+    def counts() -> tuple[float, float, float]:
+        text = deployment_metrics(base)
+        return tuple(sum(s.value for fam in text_string_to_metric_families(text)
+                         for s in fam.samples if s.name == name and labels.items() <= s.labels.items())
+                     for name, labels in (
+                         ("splitstack_structured_requests_total", {"kind": "json_schema"}),
+                         ("splitstack_grammar_compile_seconds_count", {}),
+                         ("splitstack_grammar_mask_seconds_count", {})))
+    before = counts()
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": {
+        "type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}}}
+    client(base).chat.completions.create(model=MODEL, messages=ASK, max_tokens=12,
+                                         temperature=0, response_format=fmt)
+    after = counts()
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1
+    assert after[2] > before[2]                       # at least one step filled its mask
 
 
 def test_a_streamed_answer_equals_the_whole_one(base):
