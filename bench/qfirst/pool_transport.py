@@ -1,14 +1,18 @@
-"""Per-stage cost of the pool transports: one decode step's pool calls, local vs gRPC.
+"""Per-stage cost of the pool transports: one decode step's pool calls, in process, over
+gRPC, and over the same-host link.
 
     python -m bench.qfirst.pool_transport [--model DIR] [--batch 1,8] [--repeats 5]
 
 Runs the Q-First stage calls of one decode step (L stages + final) for `batch` rows through
-an in-process pool (`local`) and through a gRPC pool server on loopback (`grpc`, one
-persistent stream), median of N steps, and prints the per-stage transport overhead.
+an in-process pool (`local`), through a pool server on loopback over its gRPC stream
+(`grpc`, with SPLITSTACK_LOCAL_LINK=0 on the client) and over its same-host link (`link`,
+the `grpc` transport's choice on one host), the three alternating, median of N steps, and
+prints each one's overhead per stage over `local`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -43,19 +47,26 @@ def main() -> None:
     model = load_model(args.model)
     stages = model.config.num_hidden_layers + 1
     server, address = serve_pool(MLPPool(model))
-    transports = {"local": make_transport("local", [MLPPool(model)]),
-                  "grpc": make_transport("grpc", [address])}
-    print("| batch | local ms/step | grpc ms/step | grpc/local | grpc overhead ms/stage |")
-    print("|---|---|---|---|---|")
+    os.environ["SPLITSTACK_LOCAL_LINK"] = "0"
+    grpc_only = make_transport("grpc", [address])
+    grpc_only.call("stage", 0, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    os.environ["SPLITSTACK_LOCAL_LINK"] = "1"
+    transports = {"local": make_transport("local", [MLPPool(model)]), "grpc": grpc_only,
+                  "link": make_transport("grpc", [address])}
+    print("| batch | local ms/step | grpc ms/step | link ms/step | grpc overhead ms/stage | "
+          "link overhead ms/stage |")
+    print("|---|---|---|---|---|---|")
     for batch in map(int, args.batch.split(",")):
-        times = {}
+        samples = {name: [] for name in transports}
         for name, t in transports.items():
             one_step(t, model, batch)
-            times[name] = statistics.median(one_step(t, model, batch)
-                                            for _ in range(args.repeats))
-        over = (times["grpc"] - times["local"]) / stages * 1000
-        print(f"| {batch} | {times['local'] * 1000:.1f} | {times['grpc'] * 1000:.1f} | "
-              f"{times['grpc'] / times['local']:.2f}x | {over:.2f} |")
+        for _ in range(args.repeats):
+            for name, t in transports.items():
+                samples[name].append(one_step(t, model, batch))
+        ms = {name: statistics.median(v) * 1000 for name, v in samples.items()}
+        over = {name: (ms[name] - ms["local"]) / stages for name in ("grpc", "link")}
+        print(f"| {batch} | {ms['local']:.1f} | {ms['grpc']:.1f} | {ms['link']:.1f} | "
+              f"{over['grpc']:.2f} | {over['link']:.2f} |")
     server.stop(0)
 
 

@@ -1,5 +1,6 @@
 """`grpc` transport: tensor bytes in protobuf over one persistent bidirectional stream per
-pool replica, so a decode step's per-layer calls do not each pay a new RPC."""
+pool replica, so a decode step's per-layer calls do not each pay a new RPC. A replica on
+this host gets the same frames over its same-host link instead (`local_link`)."""
 from __future__ import annotations
 
 import itertools
@@ -7,6 +8,7 @@ import queue
 
 import grpc
 
+from services.common import local_link
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import (from_proto, generator_state, history_fields,
@@ -52,6 +54,52 @@ class PoolStream:
         self.channel.close()
 
 
+class LocalPoolStream:
+    """`PoolStream`'s calls to a replica on this host, over its same-host link: the
+    request's protobuf bytes out, the reply's back, in order. A broken link reconnects on
+    the next call, or raises there (the transport then retries elsewhere)."""
+
+    def __init__(self, address: str, sock, token: str | None):
+        self.name, self.sock, self.token = address, sock, token
+
+    @classmethod
+    def open(cls, address: str, security: GrpcSecurity) -> "LocalPoolStream | None":
+        sock = local_link.connect(address, security.token)
+        return cls(address, sock, security.token) if sock is not None else None
+
+    def send(self, req: pb.PoolRequest) -> None:
+        if self.sock is None:
+            self.sock = local_link.connect(self.name, self.token)
+            if self.sock is None:
+                raise ConnectionError(f"pool replica {self.name}: same-host link gone")
+        try:
+            local_link.send_frame(self.sock, req.SerializeToString())
+        except OSError:
+            self._drop()
+            raise
+
+    def receive(self) -> pb.PoolReply:
+        if self.sock is None:
+            raise ConnectionError(f"pool replica {self.name}: same-host link gone")
+        try:
+            return pb.PoolReply.FromString(local_link.recv_frame(self.sock))
+        except OSError:
+            self._drop()
+            raise
+
+    def roundtrip(self, req: pb.PoolRequest) -> pb.PoolReply:
+        self.send(req)
+        return self.receive()
+
+    def _drop(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def close(self):
+        self._drop()
+
+
 class GrpcTransport(Transport):
     """Replicas are `host:port` strings of `services.mlp_pool.grpc_server` servers."""
 
@@ -61,7 +109,10 @@ class GrpcTransport(Transport):
         self._ids = itertools.count()
 
     def _open(self, replica):
-        return PoolStream(replica, self.security) if isinstance(replica, str) else replica
+        if not isinstance(replica, str):
+            return replica
+        return (LocalPoolStream.open(replica, self.security)
+                or PoolStream(replica, self.security))
 
     def _close(self, replica) -> None:
         replica.close()

@@ -1,6 +1,7 @@
 """Serves an `MLPPool` over gRPC: one bidirectional stream per client, calls in order."""
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
@@ -8,7 +9,7 @@ import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kernels.sampling import SamplingParams
-from services.common import sigterm
+from services.common import local_link, sigterm
 from services.common.pb import splitstack_pb2 as pb
 from services.common.pb import splitstack_pb2_grpc as pb_grpc
 from services.common.codec import (from_proto, generator_from, generator_state, history_from,
@@ -16,6 +17,12 @@ from services.common.codec import (from_proto, generator_from, generator_state, 
 from services.common.faults import NO_FAULTS, FaultPlan, InjectedFault
 from services.common.grpc_security import INSECURE, GrpcSecurity
 from services.mlp_pool.pool import MLPPool
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaDead(RuntimeError):
+    """This replica failed stop: its streams end, and its same-host links close."""
 
 
 class PoolServicer(pb_grpc.MLPPoolServicer):
@@ -76,16 +83,27 @@ class PoolServicer(pb_grpc.MLPPoolServicer):
                             generator_states=states)
 
     def Calls(self, request_iterator, context):
+        try:
+            yield from self._calls(request_iterator)
+        except ReplicaDead as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    def local_calls(self, frames):
+        """`Calls` over the same-host link (`local_link`): protobuf bytes in and out; a
+        failed stop raises, which closes the link."""
+        for reply in self._calls(pb.PoolRequest.FromString(f) for f in frames):
+            yield reply.SerializeToString()
+
+    def _calls(self, requests):
         self._count("clients", 1)
         try:
-            for req in request_iterator:
+            for req in requests:
                 try:
                     self._fault.hit()
                 except InjectedFault as exc:
                     self._die(str(exc))
                 if self.dead is not None:
-                    context.abort(grpc.StatusCode.UNAVAILABLE, f"pool replica {self.pool.name} "
-                                  f"failed stop: {self.dead}")
+                    raise ReplicaDead(f"pool replica {self.pool.name} failed stop: {self.dead}")
                 self._count("calls", 1)
                 try:
                     reply = self._run(req)
@@ -128,8 +146,21 @@ def serve_pool(pool: MLPPool, address: str = "127.0.0.1:0", max_workers: int = 6
                                                    ("grpc.max_receive_message_length", 512 << 20)])
     registry = registry if registry is not None else CollectorRegistry()
     runner = BatchingPool(pool, metrics=PoolMetrics(registry)) if batching else pool
-    pb_grpc.add_MLPPoolServicer_to_server(
-        PoolServicer(runner, nccl, registry, faults, on_dead, metrics_port), server)
+    servicer = PoolServicer(runner, nccl, registry, faults, on_dead, metrics_port)
+    pb_grpc.add_MLPPoolServicer_to_server(servicer, server)
     port = security.add_port(server, address)
     server.start()
-    return server, f"{address.rsplit(':', 1)[0]}:{port}"
+    bound = f"{address.rsplit(':', 1)[0]}:{port}"
+    if local_link.enabled():
+        try:
+            listener = local_link.LocalListener(bound, servicer.local_calls, security.token)
+        except OSError as exc:       # its name is taken: same-host clients use gRPC
+            log.warning("pool replica %s: no same-host link (%s)", bound, exc)
+        else:
+            stop = server.stop
+
+            def stop_both(grace):     # the link ends with the server, as its streams do
+                listener.close()
+                return stop(grace)
+            server.stop = stop_both
+    return server, bound
