@@ -151,6 +151,11 @@ SERVERS = {   # name -> command line (PORT filled in)
     "splitstack Q-First": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
                            "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
                            "--attention-shards", "1", "--mlp-replicas", "1"],
+    # the same, its attention service reaching the pool over gRPC instead of the same-host link
+    "splitstack Q-First gRPC": [sys.executable, "-m", "services.cli", "serve", "--model",
+                                str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
+                                "--log-level", "warning", "--attention-shards", "1",
+                                "--mlp-replicas", "1"],
     "splitstack Q-First int8": [sys.executable, "-m", "services.cli", "serve", "--model",
                                 str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
                                 "--log-level", "warning", "--attention-shards", "1",
@@ -192,6 +197,9 @@ SERVERS = {   # name -> command line (PORT filled in)
                          "--port", "{port}", "--n_ctx", "8192", "--n_batch", "512",
                          "--interrupt_requests", "False"],   # else a new request cuts the last
 }
+
+
+SERVER_ENV = {"splitstack Q-First gRPC": {"SPLITSTACK_LOCAL_LINK": "0"}}   # name -> its env
 
 
 def offline_twin(server: str) -> str | None:
@@ -262,7 +270,9 @@ def served(args) -> None:
                     # ggml's AMX product of repacked Q8_0 weights crashes at load on this
                     # kind of host (ggml-org/llama.cpp#20824): the weights stay as loaded
                     cmd += ["--no-repack"]
-            procs[name] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+            procs[name] = subprocess.Popen(cmd, cwd=ROOT,
+                                           env=dict(env, **SERVER_ENV.get(name, {})),
+                                           stdout=subprocess.DEVNULL,
                                            stderr=open(out_dir / f"{i}.log", "w"))
             urls[name] = f"http://127.0.0.1:{port}"
         for name, proc in procs.items():

@@ -7,9 +7,13 @@ form the next batch, as in continuous batching. Every row's result is what the p
 have returned for it alone (rows do not interact in a stage), so batching is invisible to
 the callers except in time.
 
-Contract: `stage` / `final` may be called from any number of threads; one compute thread
-(this object's) runs the pool. An exception in a batched forward is raised in every caller
-of that batch.
+Once started, a lone call on an idle pool (nothing queued, no forward running) runs on its
+caller's thread instead: with one attention service per replica, each of a token's ~31 calls would
+otherwise wait for the compute thread to wake and then wake its caller back.
+
+Contract: `stage` / `final` may be called from any number of threads; one forward runs at a
+time (on this object's compute thread, or inline on a lone caller's). An exception in a
+batched forward is raised in every caller of that batch.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class BatchingPool:
         self.rows = 0               # rows served
         self._pending: list[tuple] = []
         self._cv = threading.Condition()
+        self._forward = threading.Lock()      # one forward at a time, on whichever thread
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name=f"{pool.name}-batcher",
                                        daemon=True)
@@ -49,6 +54,15 @@ class BatchingPool:
     # ---- callers ------------------------------------------------------------------------
     def _enqueue(self, key, args) -> Future:
         fut: Future = Future()
+        if self.thread.is_alive() and self._forward.acquire(blocking=False):
+            try:
+                with self._cv:
+                    lone = not self._pending
+                if lone:                       # idle: run it here, no hand-off
+                    self._run_batch(key, [(args, fut)])
+                    return fut
+            finally:
+                self._forward.release()
         with self._cv:
             self._pending.append((key, args, fut))
             self._cv.notify()
@@ -80,15 +94,19 @@ class BatchingPool:
             groups = defaultdict(list)
             for key, args, fut in pending:
                 groups[key].append((args, fut))
-            for key, calls in groups.items():
-                try:
-                    self._run(key, calls)
-                except Exception as exc:  # noqa: BLE001 — every caller of the batch sees it
-                    if self.metrics is not None:
-                        self.metrics.failures.inc()
-                    for _, fut in calls:
-                        if not fut.done():
-                            fut.set_exception(exc)
+            with self._forward:
+                for key, calls in groups.items():
+                    self._run_batch(key, calls)
+
+    def _run_batch(self, key, calls) -> None:
+        try:
+            self._run(key, calls)
+        except Exception as exc:  # noqa: BLE001 — every caller of the batch sees it
+            if self.metrics is not None:
+                self.metrics.failures.inc()
+            for _, fut in calls:
+                if not fut.done():
+                    fut.set_exception(exc)
 
     def _run(self, key, calls) -> None:
         start = time.perf_counter()

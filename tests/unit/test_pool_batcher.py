@@ -59,3 +59,41 @@ def test_final_calls_batch_and_errors_reach_every_caller(tiny_checkpoint):
     with pytest.raises(Exception):
         batcher.stage(1, torch.zeros(2, 3), torch.arange(2))   # wrong hidden size
     assert batcher.stage(1, u, torch.arange(2)).z.shape == u.shape   # still serving
+
+
+def test_a_lone_call_on_an_idle_pool_runs_on_its_callers_thread(tiny_checkpoint):
+    """No hand-off to the compute thread and back for a lone call; calls that come while
+    a forward runs still queue and run as the next batch, on the compute thread."""
+    model = load_model(tiny_checkpoint("llama3")[0])
+    pool = MLPPool(model)
+    ran_on, release = [], threading.Event()
+    stage = pool.stage
+
+    def recording(layer, u, positions):
+        ran_on.append(threading.current_thread().name)
+        if len(ran_on) == 1:
+            release.wait(30)                  # the first forward holds the pool
+        return stage(layer, u, positions)
+
+    pool.stage = recording
+    batcher = BatchingPool(pool)
+    u = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    first = threading.Thread(target=batcher.stage, args=(1, u, torch.arange(2)), name="caller-0")
+    first.start()
+    while not ran_on:
+        threading.Event().wait(0.01)
+    others = [threading.Thread(target=batcher.stage, args=(1, u[i:i + 1], torch.arange(1)),
+                               name=f"caller-{i + 1}") for i in range(2)]
+    for t in others:
+        t.start()
+    threading.Event().wait(0.3)                    # they queue behind the running forward
+    release.set()
+    for t in [first] + others:
+        t.join(30)
+    assert ran_on[0] == "caller-0"                          # inline
+    assert set(ran_on[1:]) == {batcher.thread.name}        # the queued ones: compute thread
+    assert batcher.rows == 4 and batcher.batches == len(ran_on)
+    got = batcher.stage(1, u, torch.arange(2))
+    assert ran_on[-1] == threading.current_thread().name     # idle again: inline
+    assert torch.allclose(got.z, stage(1, u, torch.arange(2)).z, atol=1e-6)
+    batcher.stop()
