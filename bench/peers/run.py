@@ -151,11 +151,6 @@ SERVERS = {   # name -> command line (PORT filled in)
     "splitstack Q-First": [sys.executable, "-m", "services.cli", "serve", "--model", str(MODEL),
                            "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning",
                            "--attention-shards", "1", "--mlp-replicas", "1"],
-    # the same, its attention service reaching the pool over gRPC instead of the same-host link
-    "splitstack Q-First gRPC": [sys.executable, "-m", "services.cli", "serve", "--model",
-                                str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
-                                "--log-level", "warning", "--attention-shards", "1",
-                                "--mlp-replicas", "1"],
     "splitstack Q-First int8": [sys.executable, "-m", "services.cli", "serve", "--model",
                                 str(MODEL), "--host", "127.0.0.1", "--port", "{port}",
                                 "--log-level", "warning", "--attention-shards", "1",
@@ -199,6 +194,8 @@ SERVERS = {   # name -> command line (PORT filled in)
 }
 
 
+# Q-First with its attention service reaching the pool over gRPC, not the same-host link
+SERVERS["splitstack Q-First gRPC"] = SERVERS["splitstack Q-First"]
 SERVER_ENV = {"splitstack Q-First gRPC": {"SPLITSTACK_LOCAL_LINK": "0"}}   # name -> its env
 
 

@@ -47,9 +47,8 @@ def main() -> None:
     model = load_model(args.model)
     stages = model.config.num_hidden_layers + 1
     server, address = serve_pool(MLPPool(model))
-    os.environ["SPLITSTACK_LOCAL_LINK"] = "0"
+    os.environ["SPLITSTACK_LOCAL_LINK"] = "0"          # read when a replica is opened
     grpc_only = make_transport("grpc", [address])
-    grpc_only.call("stage", 0, torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     os.environ["SPLITSTACK_LOCAL_LINK"] = "1"
     transports = {"local": make_transport("local", [MLPPool(model)]), "grpc": grpc_only,
                   "link": make_transport("grpc", [address])}

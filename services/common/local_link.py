@@ -60,10 +60,11 @@ def send_frame(sock: socket.socket, data: bytes) -> None:
         sock.sendall(data)
 
 
-def recv_frame(sock: socket.socket) -> bytes:
-    """One frame's bytes; ConnectionError when the peer closed."""
+def recv_frame(sock: socket.socket) -> bytearray:
+    """One frame's bytes (protobuf and json parse them as they are); ConnectionError when
+    the peer closed."""
     (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
-    return bytes(_recv_exactly(sock, size))
+    return _recv_exactly(sock, size)
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytearray:
@@ -84,7 +85,7 @@ class LocalListener:
     failed stop), the connection closes and the client retries elsewhere. `token`: the gRPC
     token a hello must carry (None: any)."""
 
-    def __init__(self, address: str, calls: Callable[[Iterator[bytes]], Iterator[bytes]],
+    def __init__(self, address: str, calls: Callable[[Iterator[bytearray]], Iterator[bytes]],
                  token: str | None = None):
         host, port = address.rsplit(":", 1)
         self.host, self.port, self.calls, self.token = host.strip("[]"), int(port), calls, token
@@ -107,7 +108,7 @@ class LocalListener:
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name=f"local-link-{self.port}-conn").start()
 
-    def _refusal(self, hello: bytes) -> str | None:
+    def _refusal(self, hello: bytearray) -> str | None:
         try:
             h = json.loads(hello)
             token, dialled = h.get("token"), str(h["address"])
@@ -153,7 +154,7 @@ class LocalListener:
                 pass
 
 
-def _frames(conn: socket.socket) -> Iterator[bytes]:
+def _frames(conn: socket.socket) -> Iterator[bytearray]:
     """The client's request frames until it closes."""
     while True:
         try:

@@ -90,11 +90,12 @@ class BatchingPool:
                     self._cv.wait()
                 if self._stop:
                     return
-                pending, self._pending = self._pending, []
-            groups = defaultdict(list)
-            for key, args, fut in pending:
-                groups[key].append((args, fut))
-            with self._forward:
+            with self._forward:       # after a caller's inline forward: all that came during it
+                with self._cv:
+                    pending, self._pending = self._pending, []
+                groups = defaultdict(list)
+                for key, args, fut in pending:
+                    groups[key].append((args, fut))
                 for key, calls in groups.items():
                     self._run_batch(key, calls)
 
