@@ -6,11 +6,12 @@ Per step, for the flattened rows of its chunks (decode rows first, then prefill 
     z, k, v = pool.stage(0, token ids)
     for each layer l:
         full attention:  q = Wq N1(z)           (q-first wiring: Wq N1(u), before the reply)
-                         decode rows:  (O, lse) = merge over shards of the sweep of the
-                                       sequence's cached positions < j, combined with the
-                                       row's own k, v; then append k, v
-                         prefill rows: append k, v; (O, lse) = merge over shards of the
-                                       causal sweep up to and including the row
+                         standard wiring: append k, v; (O, lse) = merge over shards of the
+                                       causal sweep up to and including each row
+                         q-first wiring, decode rows: (O, lse) = merge over shards of the
+                                       sweep of the sequence's cached positions < j (while
+                                       the pool runs), combined with the row's own k, v;
+                                       prefill rows as under standard wiring
         linear attention: conv + delta rule from the sequence's state slot, gated norm, Wo
         u = z + Wo(out)
         z, k, v = pool.stage(l + 1, u)          (the last stage samples instead)
@@ -61,11 +62,26 @@ class StepRows:
         # decode rows see positions < j (their own k, v is combined in); prefill rows
         # see up to and including themselves
         self.limits = [p + (i >= self.num_decode) for i, p in enumerate(positions)]
+        # every row, once its own k, v is written: positions <= j
+        self.after = [p + 1 for p in positions]
+        self._plans: dict = {}
         self.writes = []                 # per shard: (row indices, flat slots)
         for s in shards:
             rows, slots = s.slots(tables, positions)
             self.writes.append((torch.tensor(rows, dtype=torch.long, device=device),
                                 torch.tensor(slots, dtype=torch.long)))
+
+    def sweep(self, shard: KVShard, layer: int, q: torch.Tensor, which: str):
+        """`shard`'s sweep of `which` rows: "decode" (before their own k, v is written),
+        "prefill", or "all" (after every row's k, v is written); the decode kernel's plan
+        is built at the first layer and reused by the others."""
+        seqs, limits = {"decode": (self.decode, self.limits), "prefill": (self.prefill, self.limits),
+                        "all": (self.seqs, self.after)}[which]
+        key = (which, shard.index)
+        plan = self._plans.get(key)
+        if plan is None and shard.kv.device.type == "cpu":
+            plan = self._plans[key] = shard.plan(seqs, limits, q.shape[1])
+        return shard.sweep(layer, seqs, q, limits, plan)
 
 
 class QFirstRunner:
@@ -155,20 +171,23 @@ class QFirstRunner:
             # q-first: q comes from u_prev, which the pool is still turning into z, k, v;
             # the decode rows' cache sweep runs now, overlapping the pool's feed-forward
             q, gate = m.attn_query(l, m.norm_in(l, u_prev), st.pos)
-            parts = [s.sweep(l, st.decode, q, st.limits) for s in self.shards]
+            parts = [st.sweep(s, l, q, "decode") for s in self.shards]
             out = pending.result()
         else:
             out = pending.result()
             q, gate = m.attn_query(l, m.norm_in(l, m.query_source(l, out.z, u_prev)), st.pos)
         for s, (rows, slots) in zip(self.shards, st.writes):
             s.write(l, slots, out.k[rows], out.v[rows])
-        if parts is None:      # every row in one sweep per shard
-            parts = [s.sweep(l, st.seqs, q, st.limits) for s in self.shards]
-        elif st.prefill:       # the decode rows were swept early: the prefill rows now
-            parts += [s.sweep(l, st.prefill, q, st.limits) for s in self.shards]
+        if parts is None:
+            # every row in one sweep per shard, its own k, v already written (as the
+            # embedded runner attends)
+            o, lse = merge_many([st.sweep(s, l, q, "all") for s in self.shards])
+            return m.attn_output(l, out.z, o, gate)
+        if st.prefill:         # the decode rows were swept early: the prefill rows now
+            parts += [st.sweep(s, l, q, "prefill") for s in self.shards]
         o, lse = merge_many(parts)      # a row no part sees merges as empty (lse −inf)
-        if nd:   # decode rows: what is cached (< j), then fold in the row's own k, v
-            o[:nd], _ = combine_current(o[:nd], lse[:nd], q[:nd], out.k[:nd], out.v[:nd])
+        # decode rows: what is cached (< j), then fold in the row's own k, v
+        o[:nd], _ = combine_current(o[:nd], lse[:nd], q[:nd], out.k[:nd], out.v[:nd])
         return m.attn_output(l, out.z, o, gate)
 
     def _gated_deltanet(self, l, out, sched: SchedulerOutput, st: StepRows):

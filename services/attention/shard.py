@@ -55,6 +55,13 @@ class SeqRows(NamedTuple):
     runs: list[tuple[int, int]]      # `table_runs(table)`
 
 
+class DecodePlan(NamedTuple):
+    """A step's one-row sequences for the native paged kernel (`KVShard.plan`)."""
+    rows: list[int]                  # their row indices into the step's q
+    prepared: object                 # `cpu_paged.Prepared` (None when there are none)
+    rest: list[SeqRows]              # the step's other sequences
+
+
 class KVShard:
     def __init__(self, cfg: ModelConfig, index: int, num_shards: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, name: str | None = None,
@@ -107,17 +114,43 @@ class KVShard:
         slots = t[block[own] // self.num_shards] * bs + torch.arange(n)[own] % bs
         self.write(layer, slots, k[own], v[own])
 
-    def sweep(self, layer: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int]):
+    def plan(self, seqs: list[SeqRows], limits: list[int], num_heads: int) -> DecodePlan:
+        """What `sweep` needs for the one-row sequences of `seqs` (decode rows), built once
+        per step and reused by every layer: their rows, and the native kernel's tables and
+        lengths (`cpu_paged.prepare`)."""
+        single = [s for s in seqs if len(s.rows) == 1 and s.table]
+        rest = [s for s in seqs if not (len(s.rows) == 1 and s.table)]
+        if not single:
+            return DecodePlan([], None, rest)
+        width = max(len(s.table) for s in single)
+        tables = torch.tensor([s.table + [-1] * (width - len(s.table)) for s in single])
+        lens = torch.tensor([self._num_local(limits[s.rows[0]]) for s in single])
+        prepared = cpu_paged.prepare(tables, lens, self.block_size, num_heads,
+                                     self.kv.shape[-1])
+        return DecodePlan([s.rows[0] for s in single], prepared, rest)
+
+    def sweep(self, layer: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int],
+              plan: DecodePlan | None = None):
         """q [N, H, D]; each row r of `seqs` sees this shard's keys of its sequence at
-        positions < limits[r]. Rows in no entry of `seqs` are left empty. Returns
-        (O [N, H, D] fp32, lse [N, H] fp32)."""
+        positions < limits[r]. Rows in no entry of `seqs` are left empty. `plan`: this
+        step's `plan(seqs, limits, H)`. Returns (O [N, H, D] fp32, lse [N, H] fp32)."""
         if self.kv.device.type != "cpu":
             return self.sweep_reference(layer, seqs, q, limits)
         i = self.fa_index[layer]
+        native = cpu_paged.supports(q, self.kv, self.kv.shape[2], self.kv.shape[-1])
+        if native:
+            plan = plan or self.plan(seqs, limits, q.shape[1])
+            if not plan.rest and plan.rows == list(range(q.shape[0])):   # a decode step
+                return cpu_paged.decode(q, self.kv[0, i], self.kv[1, i], head_major=True,
+                                        prepared=plan.prepared)
         o = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], float("-inf"))
-        if cpu_paged.supports(q, self.kv, self.kv.shape[2], self.kv.shape[-1]):
-            seqs = self._sweep_decode(i, seqs, q, limits, o, lse)
+        if native:
+            if plan.rows:
+                o[plan.rows], lse[plan.rows] = cpu_paged.decode(
+                    q[plan.rows], self.kv[0, i], self.kv[1, i], head_major=True,
+                    prepared=plan.prepared)
+            seqs = plan.rest
         for rows, table, runs in seqs:
             counts = [self._num_local(limits[r]) for r in rows]
             n = max(counts)
@@ -139,21 +172,6 @@ class KVShard:
                 o[part] = o_s[0].float().masked_fill(empty[:, None, None], 0.0)
                 lse[part] = lse_s[0].masked_fill(empty[:, None], float("-inf"))
         return o, lse
-
-    def _sweep_decode(self, i: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int],
-                      o: torch.Tensor, lse: torch.Tensor) -> list[SeqRows]:
-        """The one-row sequences of a step (decode rows) in one native call reading the pages
-        in place (`kernels.attention.cpu_paged`); returns the sequences left to sweep."""
-        single = [s for s in seqs if len(s.rows) == 1 and s.table]
-        if not single:
-            return seqs
-        width = max(len(s.table) for s in single)
-        tables = torch.tensor([s.table + [-1] * (width - len(s.table)) for s in single])
-        lens = torch.tensor([self._num_local(limits[s.rows[0]]) for s in single])
-        rows = [s.rows[0] for s in single]
-        o[rows], lse[rows] = cpu_paged.decode(q[rows], self.kv[0, i], self.kv[1, i], tables,
-                                              lens, head_major=True)
-        return [s for s in seqs if not (len(s.rows) == 1 and s.table)]
 
     def _segments(self, i: int, runs, n: int):
         """In-place `[KV, len, D]` views of K and V covering the first `n` local keys, one per
