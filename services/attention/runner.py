@@ -39,6 +39,16 @@ from services.engine.runner import CacheLayout, Sampled, SamplingRows, score_chu
 from services.engine.scheduler import SchedulerOutput
 
 WIRINGS = ("standard", "qfirst")
+SPLIT_ROWS = 4      # a decode step of this many rows or more runs as two overlapped halves
+
+
+class _Pass:
+    """One part of a step on its way through the layers."""
+
+    def __init__(self, out: SchedulerOutput, st: StepRows):
+        self.out, self.st = out, st
+        self.pending = None      # its stage call in flight
+        self.u = None            # what `pending` was computed from: layer l−1's MLP input
 
 
 class StepRows:
@@ -136,31 +146,50 @@ class QFirstRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
                 sampling: SamplingRows | Future[SamplingRows]) -> Sampled:
-        st = StepRows(out, self.shards, self.model.device)
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.conv[:, c.seq.state_slot].zero_()
                 self.rec[:, c.seq.state_slot].zero_()
-        pending = self.pool.submit("stage", 0, st.ids, st.pos)
-        u = None                     # what `pending` was computed from: layer l−1's MLP input
+        # one pass per part: each part's stage call is in flight while the others' layers run
+        passes = [_Pass(part, StepRows(part, self.shards, self.model.device))
+                  for part in self._parts(out)]
+        for p in passes:
+            p.pending = self.pool.submit("stage", 0, p.st.ids, p.st.pos)
         layers = self.cfg.num_hidden_layers
         for l in range(layers):
-            if self.model.layer(l).kind == FULL_ATTENTION:
-                u = self._full_attention(l, pending, st, u)
-            else:
-                u = self._gated_deltanet(l, pending.result(), out, st)
-            if l + 1 < layers:
-                pending = self.pool.submit("stage", l + 1, u, st.pos)
-        for seq_rows, c in zip(st.prefill, out.prefill):
+            for p in passes:
+                if self.model.layer(l).kind == FULL_ATTENTION:
+                    p.u = self._full_attention(l, p.pending, p.st, p.u)
+                else:
+                    p.u = self._gated_deltanet(l, p.pending.result(), p.out, p.st)
+                if l + 1 < layers:
+                    p.pending = self.pool.submit("stage", l + 1, p.u, p.st.pos)
+        st, u = passes[0].st, passes[0].u
+        for seq_rows, c in zip(st.prefill, out.prefill):    # a step with prefill: one pass
             if c.seq.params.prompt_logprobs is not None:
                 score_chunk(c, u[seq_rows.rows],
                             lambda x, t, k: self.pool.call("score", x, t, k))
-        last = [r.rows[-1] for r, c in zip(st.seqs, out.chunks) if c.sample]
+        last = [p.st.seqs[i].rows[-1] + sum(len(q.u) for q in passes[:j])
+                for j, p in enumerate(passes) for i, c in enumerate(p.out.chunks) if c.sample]
+        u = torch.cat([p.u for p in passes]) if len(passes) > 1 else u
         if isinstance(sampling, Future):
             sampling = sampling.result()
         tokens, logprobs, logits = self.pool.call(
             "final", u[torch.tensor(last, dtype=torch.long, device=u.device)], *sampling)
         return Sampled(tokens, logprobs, logits)
+
+    def _parts(self, out: SchedulerOutput) -> list[SchedulerOutput]:
+        """Under standard wiring, a decode-only step of at least `SPLIT_ROWS` rows over a
+        transport whose calls overlap (`Transport.pipelines`) runs as two halves, one's
+        layers on this side while the pool computes the other's stage, so both sides
+        compute at once (a ping-pong pipeline); any other step is one part. (Q-first wiring
+        overlaps within one pass already: its sweep runs while the pool computes.)"""
+        n = len(out.decode)
+        if (self.wiring != "standard" or not self.pool.pipelines or out.prefill
+                or n < SPLIT_ROWS):
+            return [out]
+        return [SchedulerOutput(out.decode[:n // 2], [], []),
+                SchedulerOutput(out.decode[n // 2:], [], [])]
 
     # ---- layers ------------------------------------------------------------------------
     def _full_attention(self, l, pending, st: StepRows, u_prev):

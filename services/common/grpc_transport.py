@@ -20,7 +20,21 @@ _OPTIONS = [("grpc.max_send_message_length", 512 << 20),
             ("grpc.max_receive_message_length", 512 << 20)]
 
 
-class PoolStream:
+class _Replies:
+    """A replica answers a stream's calls in order; several may be in flight (`submit`), and
+    a retried call can be sent on a stream that still owes earlier replies. `reply_to`
+    reads until the reply to its own request id, keeping the others for their callers."""
+
+    early: dict
+
+    def reply_to(self, rid: int) -> pb.PoolReply:
+        while rid not in self.early:
+            reply = self.receive()
+            self.early[reply.id] = reply
+        return self.early.pop(rid)
+
+
+class PoolStream(_Replies):
     """A client's stream to one replica at `address`; reopened after a failure.
     `security`: the token its calls carry, and TLS."""
 
@@ -33,6 +47,7 @@ class PoolStream:
     def _open(self):
         self.requests: queue.Queue = queue.Queue()
         self.responses = self.stub.Calls(iter(self.requests.get, None))
+        self.early = {}
 
     def send(self, req: pb.PoolRequest) -> None:
         self.requests.put(req)
@@ -47,20 +62,21 @@ class PoolStream:
 
     def roundtrip(self, req: pb.PoolRequest) -> pb.PoolReply:
         self.send(req)
-        return self.receive()
+        return self.reply_to(req.id)
 
     def close(self):
         self.requests.put(None)
         self.channel.close()
 
 
-class LocalPoolStream:
+class LocalPoolStream(_Replies):
     """`PoolStream`'s calls to a replica on this host, over its same-host link: the
     request's protobuf bytes out, the reply's back, in order. A broken link reconnects on
     the next call, or raises there (the transport then retries elsewhere)."""
 
     def __init__(self, address: str, sock, token: str | None):
         self.name, self.sock, self.token = address, sock, token
+        self.early = {}
 
     @classmethod
     def open(cls, address: str, security: GrpcSecurity) -> "LocalPoolStream | None":
@@ -89,12 +105,13 @@ class LocalPoolStream:
 
     def roundtrip(self, req: pb.PoolRequest) -> pb.PoolReply:
         self.send(req)
-        return self.receive()
+        return self.reply_to(req.id)
 
     def _drop(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        self.early = {}
 
     def close(self):
         self._drop()
@@ -102,6 +119,8 @@ class LocalPoolStream:
 
 class GrpcTransport(Transport):
     """Replicas are `host:port` strings of `services.mlp_pool.grpc_server` servers."""
+
+    pipelines = True     # a stream answers its calls in the order they were sent
 
     def __init__(self, replicas: list, security: GrpcSecurity = INSECURE):
         self.security = security
@@ -153,14 +172,15 @@ class GrpcTransport(Transport):
         """Send now, receive on `result()`; a failure there falls back to `call`, which
         retries on the other replicas."""
         replica = self.next_replica()
+        req = self._encode(method, args)
         try:
-            replica.send(self._encode(method, args))
+            replica.send(req)
         except Exception:
             return Pending(lambda: self.call(method, *args))
 
         def fetch():
             try:
-                return self._decode(replica, replica.receive(), args)
+                return self._decode(replica, replica.reply_to(req.id), args)
             except Exception:
                 self.set.retry()
                 return self.call(method, *args)

@@ -112,6 +112,8 @@ class NcclPoolStream(PoolStream):
 
 
 class NcclTransport(GrpcTransport):
+    pipelines = False    # one NCCL message in flight per replica: a send waits for its receive
+
     @classmethod
     def connect(cls, name: str, pool_actors: list, addresses: list[str],
                 security: GrpcSecurity = INSECURE) -> "NcclTransport":

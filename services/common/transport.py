@@ -34,6 +34,10 @@ class Transport(ABC):
     """Round robin over the pool replicas (`ReplicaSet`); a call that fails on one is made
     again on each other one once."""
 
+    # True: `submit` returns while the call runs, and several submitted calls may be in
+    # flight at once (their results fetched in the order they were sent)
+    pipelines = False
+
     def __init__(self, replicas: list):
         self.set = ReplicaSet(list(replicas), self._open, self._close, "pool replica",
                               key=self._key)

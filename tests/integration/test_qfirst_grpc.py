@@ -52,6 +52,49 @@ def test_grpc_pool_matches_exact_engine(family, num_shards, replicas, tiny_check
     assert service.blocks.num_free == service.blocks.num_blocks
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3_next"])
+def test_a_decode_batch_runs_as_two_halves_in_flight_at_once(family, tiny_checkpoint,
+                                                             pool_servers):
+    """A decode step of 4 or more rows over gRPC runs as two halves: each layer sends one
+    half's stage call before it reads the other's, so two calls are in flight at once and
+    the pool computes one half while this side computes the other. A step with prefill
+    rows stays one pass; the tokens and logits equal the exact engine's."""
+    path, _ = tiny_checkpoint(family)
+    model = load_model(path)
+    ref = LLMEngine(model).generate(prompts(), PARAMS)
+    service, _ = service_over_grpc(model, pool_servers(model, 1), num_shards=2)
+    pool, layers = service.runner.pool, model.config.num_hidden_layers
+    in_flight, sends = set(), []        # sends: how many calls were in flight after each
+    submit = pool.submit
+
+    def counted(method, *args):
+        pending = submit(method, *args)
+        in_flight.add(pending)
+        sends.append(len(in_flight))
+        fetch = pending._fetch
+
+        def result():
+            in_flight.discard(pending)
+            return fetch()
+        pending._fetch = result
+        return pending
+
+    pool.submit = counted
+    ids = [service.add_request(p, PARAMS) for p in prompts()]
+    service.step()                                  # the prompts: one pass
+    assert len(sends) == layers and max(sends) == 1
+    sends.clear()
+    service.step()                                  # 4 decode rows: two halves
+    assert len(sends) == 2 * layers and max(sends) == 2
+    while service.has_unfinished():
+        service.step()
+    for seq_id, want in zip(ids, ref):
+        got = service.pop(seq_id)
+        assert got.output_ids == want.output_ids
+        assert (torch.stack(got.logits) - torch.stack(want.logits)).abs().max().item() <= 1e-4
+    assert service.blocks.num_free == service.blocks.num_blocks
+
+
 def test_killed_pool_replica_is_retried(tiny_checkpoint, pool_servers):
     path, _ = tiny_checkpoint("qwen3_next")
     model = load_model(path)
