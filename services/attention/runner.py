@@ -39,7 +39,7 @@ from services.engine.runner import CacheLayout, Sampled, SamplingRows, score_chu
 from services.engine.scheduler import SchedulerOutput
 
 WIRINGS = ("standard", "qfirst")
-SPLIT_ROWS = 4      # a decode step of this many rows or more runs as two overlapped halves
+SPLIT_ROWS = 4      # a step of this many rows or more runs as two overlapped parts
 
 
 class _Pass:
@@ -164,14 +164,17 @@ class QFirstRunner:
                     p.u = self._gated_deltanet(l, p.pending.result(), p.out, p.st)
                 if l + 1 < layers:
                     p.pending = self.pool.submit("stage", l + 1, p.u, p.st.pos)
-        st, u = passes[0].st, passes[0].u
-        for seq_rows, c in zip(st.prefill, out.prefill):    # a step with prefill: one pass
-            if c.seq.params.prompt_logprobs is not None:
-                score_chunk(c, u[seq_rows.rows],
-                            lambda x, t, k: self.pool.call("score", x, t, k))
-        last = [p.st.seqs[i].rows[-1] + sum(len(q.u) for q in passes[:j])
-                for j, p in enumerate(passes) for i, c in enumerate(p.out.chunks) if c.sample]
-        u = torch.cat([p.u for p in passes]) if len(passes) > 1 else u
+        row_of, offset = {}, 0     # each chunk's last row in the passes' rows, end to end
+        for p in passes:
+            for seq_rows, c in zip(p.st.prefill, p.out.prefill):
+                if c.seq.params.prompt_logprobs is not None:
+                    score_chunk(c, p.u[seq_rows.rows],
+                                lambda x, t, k: self.pool.call("score", x, t, k))
+            for seq_rows, c in zip(p.st.seqs, p.out.chunks):
+                row_of[id(c)] = offset + seq_rows.rows[-1]
+            offset += len(p.u)
+        last = [row_of[id(c)] for c in out.chunks if c.sample]    # in `out.chunks` order
+        u = torch.cat([p.u for p in passes]) if len(passes) > 1 else passes[0].u
         if isinstance(sampling, Future):
             sampling = sampling.result()
         tokens, logprobs, logits = self.pool.call(
@@ -179,17 +182,23 @@ class QFirstRunner:
         return Sampled(tokens, logprobs, logits)
 
     def _parts(self, out: SchedulerOutput) -> list[SchedulerOutput]:
-        """Under standard wiring, a decode-only step of at least `SPLIT_ROWS` rows over a
-        transport whose calls overlap (`Transport.pipelines`) runs as two halves, one's
-        layers on this side while the pool computes the other's stage, so both sides
-        compute at once (a ping-pong pipeline); any other step is one part. (Q-first wiring
-        overlaps within one pass already: its sweep runs while the pool computes.)"""
-        n = len(out.decode)
-        if (self.wiring != "standard" or not self.pool.pipelines or out.prefill
-                or n < SPLIT_ROWS):
+        """Under standard wiring, a step of two or more chunks and at least `SPLIT_ROWS`
+        rows, over a transport whose calls overlap (`Transport.pipelines`), runs as two
+        parts of about equal rows: one part's layers on this side while the pool computes
+        the other's stage, so both sides compute at once (a ping-pong pipeline). Any other
+        step is one part. (Q-first wiring overlaps within one pass already: its sweep runs
+        while the pool computes.)"""
+        chunks = out.chunks
+        if (self.wiring != "standard" or not self.pool.pipelines or len(chunks) < 2
+                or sum(c.length for c in chunks) < SPLIT_ROWS):
             return [out]
-        return [SchedulerOutput(out.decode[:n // 2], [], []),
-                SchedulerOutput(out.decode[n // 2:], [], [])]
+        half = len(out.decode) // 2
+        parts = [SchedulerOutput(out.decode[:half], [], []),
+                 SchedulerOutput(out.decode[half:], [], [])]
+        for chunk in sorted(out.prefill, key=lambda c: -c.length):  # the longest first,
+            rows = [sum(c.length for c in p.chunks) for p in parts]     # to the lighter part
+            parts[rows.index(min(rows))].prefill.append(chunk)
+        return [p for p in parts if not p.empty]
 
     # ---- layers ------------------------------------------------------------------------
     def _full_attention(self, l, pending, st: StepRows, u_prev):

@@ -53,12 +53,11 @@ def test_grpc_pool_matches_exact_engine(family, num_shards, replicas, tiny_check
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3_next"])
-def test_a_decode_batch_runs_as_two_halves_in_flight_at_once(family, tiny_checkpoint,
-                                                             pool_servers):
-    """A decode step of 4 or more rows over gRPC runs as two halves: each layer sends one
-    half's stage call before it reads the other's, so two calls are in flight at once and
-    the pool computes one half while this side computes the other. A step with prefill
-    rows stays one pass; the tokens and logits equal the exact engine's."""
+def test_a_step_runs_as_two_parts_in_flight_at_once(family, tiny_checkpoint, pool_servers):
+    """A step of two or more chunks and 4 or more rows over gRPC runs as two parts: each
+    layer sends one part's stage call before it reads the other's, so two calls are in
+    flight at once and the pool computes one part while this side computes the other. A
+    step of one chunk stays one pass; the tokens and logits equal the exact engine's."""
     path, _ = tiny_checkpoint(family)
     model = load_model(path)
     ref = LLMEngine(model).generate(prompts(), PARAMS)
@@ -80,12 +79,14 @@ def test_a_decode_batch_runs_as_two_halves_in_flight_at_once(family, tiny_checkp
         return pending
 
     pool.submit = counted
-    ids = [service.add_request(p, PARAMS) for p in prompts()]
-    service.step()                                  # the prompts: one pass
+    ids = [service.add_request(prompts()[0], PARAMS)]
+    service.step()                                  # one prompt: one pass
     assert len(sends) == layers and max(sends) == 1
-    sends.clear()
-    service.step()                                  # 4 decode rows: two halves
-    assert len(sends) == 2 * layers and max(sends) == 2
+    ids += [service.add_request(p, PARAMS) for p in prompts()[1:]]
+    for _ in range(2):       # a decode row and 3 prompts, then 4 decode rows: two parts
+        sends.clear()
+        service.step()
+        assert len(sends) == 2 * layers and max(sends) == 2
     while service.has_unfinished():
         service.step()
     for seq_id, want in zip(ids, ref):
