@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import queue
+import socket
+import threading
 
 import grpc
 
@@ -77,6 +79,10 @@ class LocalPoolStream(_Replies):
     def __init__(self, address: str, sock, token: str | None):
         self.name, self.sock, self.token = address, sock, token
         self.early = {}
+        self.owed = 0               # requests sent whose replies are not read yet
+        self._lock = threading.Lock()
+        self._outbox: queue.Queue | None = None
+        self._queued = 0            # frames handed to the sender thread, not yet written
 
     @classmethod
     def open(cls, address: str, security: GrpcSecurity) -> "LocalPoolStream | None":
@@ -88,8 +94,21 @@ class LocalPoolStream(_Replies):
             self.sock = local_link.connect(self.name, self.token)
             if self.sock is None:
                 raise ConnectionError(f"pool replica {self.name}: same-host link gone")
+        data = req.SerializeToString()
+        with self._lock:
+            # The replica reads a call only after it wrote the reply before it, so while a
+            # reply is owed, writing here could block on a full socket while the replica
+            # blocks writing that reply to us: the sender thread writes instead, and this
+            # thread goes on to read. Nothing owed and nothing queued: written at once.
+            behind = self.owed > 0 or self._queued > 0
+            if behind:
+                self._queued += 1
+            self.owed += 1
+        if behind:
+            self._sender().put((self.sock, data))
+            return
         try:
-            local_link.send_frame(self.sock, req.SerializeToString())
+            local_link.send_frame(self.sock, data)
         except OSError:
             self._drop()
             raise
@@ -98,10 +117,35 @@ class LocalPoolStream(_Replies):
         if self.sock is None:
             raise ConnectionError(f"pool replica {self.name}: same-host link gone")
         try:
-            return pb.PoolReply.FromString(local_link.recv_frame(self.sock))
+            reply = pb.PoolReply.FromString(local_link.recv_frame(self.sock))
         except OSError:
             self._drop()
             raise
+        with self._lock:
+            self.owed -= 1
+        return reply
+
+    def _sender(self) -> queue.Queue:
+        if self._outbox is None:
+            self._outbox = queue.Queue()
+            threading.Thread(target=self._send_queued, args=(self._outbox,), daemon=True,
+                             name=f"link-send-{self.name}").start()
+        return self._outbox
+
+    def _send_queued(self, outbox: queue.Queue) -> None:
+        while True:
+            sock, data = outbox.get()
+            if sock is None:
+                return
+            try:
+                local_link.send_frame(sock, data)
+            except OSError:          # the reader's next receive fails and retries elsewhere
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            with self._lock:
+                self._queued -= 1
 
     def roundtrip(self, req: pb.PoolRequest) -> pb.PoolReply:
         self.send(req)
@@ -112,9 +156,13 @@ class LocalPoolStream(_Replies):
             self.sock.close()
             self.sock = None
         self.early = {}
+        with self._lock:
+            self.owed = 0
 
     def close(self):
         self._drop()
+        if self._outbox is not None:
+            self._outbox.put((None, None))
 
 
 class GrpcTransport(Transport):

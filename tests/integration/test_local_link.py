@@ -140,3 +140,37 @@ def test_link_clients_count_as_the_replicas_clients(model, servers):
     while stats(pb.Empty()).clients and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats(pb.Empty()).clients == 0
+
+
+def test_calls_in_flight_with_large_replies_do_not_deadlock(model, servers):
+    """Two stage calls in flight whose tensors are larger than the socket's buffers (a step
+    split in two parts with long prompts): the replica writes the first reply before it
+    reads the second call, so the second is written by the stream's sender thread while
+    the caller reads; both replies come back, each to its own call, equal to the gRPC
+    stream's."""
+    import threading
+
+    (address,) = servers(model, 1)
+    linked = make_transport("grpc", [address])
+    assert isinstance(linked.replicas[0], LocalPoolStream)
+    rows, h = 8192, model.config.hidden_size          # ~8 MB each way in fp32
+    us = [torch.randn(rows, h, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    pos = torch.arange(rows) % 64
+    layer = next(l for l in model.config.full_attention_layers if l > 0)   # k, v come back
+    got = []
+
+    def pipelined():
+        first = linked.submit("stage", layer, us[0], pos)
+        second = linked.submit("stage", layer, us[1], pos)
+        got.append(first.result())
+        third = linked.submit("stage", layer, us[2], pos)
+        got.extend([second.result(), third.result()])
+
+    worker = threading.Thread(target=pipelined, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "the pipelined calls deadlocked"
+    want = [MLPPool(model).stage(layer, u, pos) for u in us]
+    for g, w in zip(got, want):
+        assert torch.equal(g.z, w.z) and torch.equal(g.k, w.k) and torch.equal(g.v, w.v)
+    assert linked.replicas[0].owed == 0
