@@ -270,6 +270,8 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     from evals.corpus import documents, haystack_text
     from services.common.tokenizer import load_tokenizer
 
+    if needle_frac + copy_frac > 1:     # refused before minutes of loading and calibration
+        raise ValueError(f"needle_frac + copy_frac is {needle_frac + copy_frac}: over 1")
     torch.manual_seed(seed)
     parent_dir, out_dir = Path(parent_dir), Path(out_dir)
     parent = load_model(parent_dir)
@@ -340,8 +342,6 @@ def derive_hybrid(parent_dir: str | Path, out_dir: str | Path, *, layerwise_step
     opt = torch.optim.AdamW(params, lr=kl_lr, weight_decay=0.0)
     rng = random.Random(seed)
     filler = tok(haystack_text(documents("calib")), add_special_tokens=False)["input_ids"]
-    if needle_frac + copy_frac > 1:
-        raise ValueError(f"needle_frac + copy_frac is {needle_frac + copy_frac}: over 1")
     kls, answer_kl, attn_kl, copy_kl = [], [], [], []
     for step in range(steps):
         b, answer, draw = batch(layerwise_steps + step), None, rng.random()
