@@ -85,8 +85,9 @@ class StepRows:
         """`shard`'s sweep of `which` rows: "decode" (before their own k, v is written),
         "prefill", or "all" (after every row's k, v is written); the decode kernel's plan
         is built at the first layer and reused by the others."""
-        seqs, limits = {"decode": (self.decode, self.limits), "prefill": (self.prefill, self.limits),
-                        "all": (self.seqs, self.after)}[which]
+        seqs = self.decode if which == "decode" else self.prefill if which == "prefill" \
+            else self.seqs
+        limits = self.after if which == "all" else self.limits
         key = (which, shard.index)
         plan = self._plans.get(key)
         if plan is None and shard.kv.device.type == "cpu":

@@ -60,6 +60,7 @@ class DecodePlan(NamedTuple):
     rows: list[int]                  # their row indices into the step's q
     prepared: object                 # `cpu_paged.Prepared` (None when there are none)
     rest: list[SeqRows]              # the step's other sequences
+    whole: bool                      # no rest, and rows are 0, 1, ...: a decode-only sweep
 
 
 class KVShard:
@@ -121,13 +122,14 @@ class KVShard:
         single = [s for s in seqs if len(s.rows) == 1 and s.table]
         rest = [s for s in seqs if not (len(s.rows) == 1 and s.table)]
         if not single:
-            return DecodePlan([], None, rest)
+            return DecodePlan([], None, rest, False)
         width = max(len(s.table) for s in single)
         tables = torch.tensor([s.table + [-1] * (width - len(s.table)) for s in single])
         lens = torch.tensor([self._num_local(limits[s.rows[0]]) for s in single])
         prepared = cpu_paged.prepare(tables, lens, self.block_size, num_heads,
                                      self.kv.shape[-1])
-        return DecodePlan([s.rows[0] for s in single], prepared, rest)
+        rows = [s.rows[0] for s in single]
+        return DecodePlan(rows, prepared, rest, not rest and rows == list(range(len(rows))))
 
     def sweep(self, layer: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int],
               plan: DecodePlan | None = None):
@@ -140,7 +142,7 @@ class KVShard:
         native = cpu_paged.supports(q, self.kv, self.kv.shape[2], self.kv.shape[-1])
         if native:
             plan = plan or self.plan(seqs, limits, q.shape[1])
-            if not plan.rest and plan.rows == list(range(q.shape[0])):   # a decode step
+            if plan.whole and len(plan.rows) == q.shape[0]:    # a decode-only sweep
                 return cpu_paged.decode(q, self.kv[0, i], self.kv[1, i], head_major=True,
                                         prepared=plan.prepared)
         o = torch.zeros(q.shape, dtype=torch.float32)
