@@ -103,9 +103,9 @@ class TimedTransport:
 class PoolProcess:
     """The pool in a child process (this file as a script); `take()` returns its clock."""
 
-    def __init__(self, model_dir: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.qfirst.probes", model_dir],
-                                     cwd=ROOT,
+    def __init__(self, model_dir: str, dtype: str = "float32"):
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.qfirst.probes", model_dir,
+                                      dtype], cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.address = self.proc.stdout.readline().strip()
         if not self.address:
@@ -158,12 +158,13 @@ def wiring_checkpoint(src: str, dst: Path, wiring: str) -> Path:
     return dst
 
 
-def serve(model_dir: str) -> None:
+def serve(model_dir: str, dtype: str = "float32") -> None:
     from services.mlp_pool.grpc_server import serve_pool
 
     torch.set_num_threads(1)
     clock = Clock()
-    server, address = serve_pool(TimedPool(load_model(model_dir), clock))
+    server, address = serve_pool(TimedPool(load_model(model_dir, dtype=getattr(torch, dtype)),
+                                           clock))
     print(address, flush=True)
     for _ in sys.stdin:
         print(json.dumps(clock.take()), flush=True)
@@ -171,4 +172,4 @@ def serve(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(*sys.argv[1:3])

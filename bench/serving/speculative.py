@@ -3,8 +3,16 @@ tokens/s with and without drafts, side by side in one run, the acceptance rate, 
 whether the greedy outputs are the same.
 
     .venv/bin/python -m bench.serving.speculative [--repeats 3] [--batch 1 8] [--max-tokens 128]
+        [--temperature 0.7] [--deployment qfirst]
 
-Workloads (SmolLM2-135M-Instruct's chat template, greedy):
+`--temperature T`: sampled requests (seeded, one seed per prompt) instead of greedy ones;
+drafts are verified by rejection sampling, and a seeded answer is the plain one.
+`--deployment qfirst`: the engines are attention services (`qfirst_engine`, one torch
+thread) over the MLP pool in a child process (one thread, the same-host link of the `grpc`
+transport), as the Ray deployment runs on one host; a draft step's rows share one round
+of pool calls.
+
+Workloads (SmolLM2-135M-Instruct's chat template):
 - `edit`: "rename this function" over Python standard-library functions (the reply copies
   most of the code);
 - `quote`: "copy this paragraph, fixing its typos" over standard-library module
@@ -26,6 +34,7 @@ import time
 import torch
 
 from bench.common import MODEL
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.cli.argtypes import DTYPES, resolve_dtype
 from services.common.tokenizer import eos_token_ids, load_tokenizer
@@ -65,12 +74,15 @@ def workloads() -> dict[str, list[str]]:
     return {"edit": edit, "quote": quote, "chat": chat}
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int):
-    """-> (seconds, output tokens, outputs) of the prompts, `batch` at a time."""
-    params = GenerationParams(max_tokens=max_tokens)
+def run(engine: LLMEngine, prompts: list[list[int]], batch: int, max_tokens: int,
+        temperature: float = 0.0):
+    """-> (seconds, output tokens, outputs) of the prompts, `batch` at a time (prompt i
+    sampled with seed i when `temperature` > 0)."""
+    params = [GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(
+        temperature=temperature, seed=i if temperature else None)) for i in range(len(prompts))]
     outs, tokens, start = [], 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        for seq in engine.generate(prompts[i:i + batch], params):
+        for seq in engine.generate(prompts[i:i + batch], params[i:i + batch]):
             outs.append(seq.output_ids)
             tokens += len(seq.output_ids)
     return time.perf_counter() - start, tokens, outs
@@ -83,18 +95,34 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="embedded: torch threads")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--deployment", choices=("embedded", "qfirst"), default="embedded")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     dtype = resolve_dtype("auto", False)
     model = load_model(MODEL, dtype=DTYPES[dtype])
     tok = load_tokenizer(MODEL)
     eos = eos_token_ids(MODEL)
     spec = NgramConfig(num_speculative_tokens=args.k)
     config = dict(max_num_seqs=max(args.batch), kv_cache_bytes=256 << 20)
-    engines = {"plain": LLMEngine(model, EngineConfig(**config), eos_token_ids=eos),
-               "ngram": LLMEngine(model, EngineConfig(**config, speculative=spec),
-                                  eos_token_ids=eos)}
+    pool = None
+    if args.deployment == "qfirst":
+        from bench.qfirst.probes import PoolProcess
+        from services.attention.runner import qfirst_engine
+        from services.deployment.transports import make_transport
+
+        args.threads = 1
+        pool = PoolProcess(str(MODEL), str(DTYPES[dtype]).removeprefix("torch."))
+        transport = make_transport("grpc", [pool.address])
+
+        def build(**more):
+            return qfirst_engine(model, transport, eos_token_ids=eos,
+                                 config=EngineConfig(**config, **more))
+    else:
+        def build(**more):
+            return LLMEngine(model, EngineConfig(**config, **more), eos_token_ids=eos)
+    torch.set_num_threads(args.threads)
+    engines = {"plain": build(), "ngram": build(speculative=spec)}
     def encode(ask: str) -> list[int]:
         text = tok.apply_chat_template([{"role": "user", "content": ask}],
                                        add_generation_prompt=True, tokenize=False)
@@ -103,10 +131,13 @@ def main() -> None:
     encoded = {name: [encode(p) for p in ps] for name, ps in workloads().items()}
     for e in engines.values():                                   # warm-up
         run(e, encoded["chat"][:1], 1, 8)
-    print(f"# n-gram speculative decoding, {MODEL.name} {dtype}, {args.threads} threads, "
-          f"k={spec.num_speculative_tokens}, lookup {spec.prompt_lookup_max}.."
+    mode = f"temperature {args.temperature}, seeded" if args.temperature else "greedy"
+    where = ("embedded engine" if pool is None else
+             "Q-First attention service + MLP pool process (same-host link), 1 thread each")
+    print(f"# n-gram speculative decoding, {MODEL.name} {dtype}, {where}, {args.threads} "
+          f"threads, k={spec.num_speculative_tokens}, lookup {spec.prompt_lookup_max}.."
           f"{spec.prompt_lookup_min}; {args.repeats} rounds, medians; at most "
-          f"{args.max_tokens} tokens, greedy")
+          f"{args.max_tokens} tokens, {mode}")
     print("| workload | batch | plain tok/s | ngram tok/s | speedup | acceptance | tokens "
           "per draft step | same outputs |")
     print("|---|---|---|---|---|---|---|---|")
@@ -119,7 +150,8 @@ def main() -> None:
                 before = (s.drafts, s.draft_tokens, s.accepted_tokens)
                 outs = {}
                 for m in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-                    sec, n, outs[m] = run(engines[m], prompts, batch, args.max_tokens)
+                    sec, n, outs[m] = run(engines[m], prompts, batch, args.max_tokens,
+                                          args.temperature)
                     rates[m].append(n / sec)
                 same += sum(a == b for a, b in zip(outs["plain"], outs["ngram"]))
                 total += len(outs["plain"])
@@ -132,6 +164,8 @@ def main() -> None:
                   f"{accepted / max(1, proposed):.0%} | "
                   f"{(drafts + accepted) / max(1, drafts):.2f} | "
                   f"{same}/{total} |", flush=True)
+    if pool is not None:
+        pool.close()
 
 
 if __name__ == "__main__":

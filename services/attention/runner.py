@@ -61,7 +61,8 @@ class StepRows:
             rows = list(range(len(ids), len(ids) + c.length))
             table = c.seq.block_table
             self.seqs.append(SeqRows(rows, table, table_runs(table)))
-            ids += c.seq.tokens[c.start:c.start + c.length]
+            # a speculative step: the sequence's last token, then its draft
+            ids += c.seq.tokens[c.start:c.start + c.length - c.draft] + c.seq.draft[:c.draft]
             positions += range(c.start, c.start + c.length)
             tables += [table] * c.length
         self.num_decode = len(out.decode)
@@ -165,16 +166,16 @@ class QFirstRunner:
                     p.u = self._gated_deltanet(l, p.pending.result(), p.out, p.st)
                 if l + 1 < layers:
                     p.pending = self.pool.submit("stage", l + 1, p.u, p.st.pos)
-        row_of, offset = {}, 0     # each chunk's last row in the passes' rows, end to end
+        rows_of, offset = {}, 0    # each chunk's sampled rows in the passes' rows, end to end
         for p in passes:
             for seq_rows, c in zip(p.st.prefill, p.out.prefill):
                 if c.seq.params.prompt_logprobs is not None:
                     score_chunk(c, p.u[seq_rows.rows],
                                 lambda x, t, k: self.pool.call("score", x, t, k))
-            for seq_rows, c in zip(p.st.seqs, p.out.chunks):
-                row_of[id(c)] = offset + seq_rows.rows[-1]
+            for seq_rows, c in zip(p.st.seqs, p.out.chunks):   # the last row; every row
+                rows_of[id(c)] = [offset + r for r in seq_rows.rows[-1 - c.draft:]]  # of a draft
             offset += len(p.u)
-        last = [row_of[id(c)] for c in out.chunks if c.sample]    # in `out.chunks` order
+        last = [r for c in out.chunks if c.sample for r in rows_of[id(c)]]  # `out.chunks` order
         u = torch.cat([p.u for p in passes]) if len(passes) > 1 else passes[0].u
         if isinstance(sampling, Future):
             sampling = sampling.result()

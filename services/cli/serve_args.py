@@ -292,10 +292,6 @@ class ServeArgs:
         # what the configs refuse in combination (--transport nccl without --gpu, RidgeFill
         # or the prefix cache with --prefill-replicas 0) is refused here too, before loading
         self.engine_options()
-        if self.speculative_config is not None and self.uses_cluster:
-            raise FlagError("--speculative-config", self.speculative_config,
-                            "--speculative-config runs in the embedded engine: the Q-First "
-                            "attention services decode one token a step")
         self.http_limits()
         self.rate_limits()
         if self.uses_cluster:

@@ -77,7 +77,9 @@ class ClusterConfig:
     host: str = "127.0.0.1"            # where actors bind gRPC (0.0.0.0: all, node IP shown)
     use_gpu: bool = False              # one GPU per actor (required by `nccl`)
     prefill_replicas: int = 0          # prefill service replicas (0: prefill via the pool)
-    prefill: EngineOptions = field(default_factory=EngineOptions)   # their engines
+    # the prefill replicas' engines (the attention services take `speculative` and
+    # `structured_backend` from it too)
+    prefill: EngineOptions = field(default_factory=EngineOptions)
     # the internal gRPC channels' token and TLS (`splitstack serve` always sets a token)
     security: GrpcSecurity = INSECURE
     # a member process that got SIGTERM exits by itself after this, if not stopped before
@@ -313,6 +315,7 @@ class AttentionReplica:
                                     eos_token_ids=eos_token_ids(c.model),
                                     kv_cache_bytes=c.kv_cache_bytes,
                                     max_num_seqs=c.max_num_seqs, prefill_service=service,
+                                    speculative=c.prefill.speculative,
                                     shard_names=[f"{name}-kv-{i}" for i in range(c.kv_splits)],
                                     grammars=grammars_for(c.model, cfg.vocab_size, registry,
                                                           backend=c.prefill.structured_backend))

@@ -43,7 +43,8 @@ from services.engine.runner import (CacheLayout, ModelRunner, Runner, RunnerFact
                                     SamplingRows)
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, Status
-from services.engine.speculative import NgramConfig, SpecStats, drafts, propose
+from services.engine.speculative import (NgramConfig, SpecStats, draft_generators, drafts,
+                                         propose)
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -152,11 +153,9 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.spec_stats = SpecStats()
         self.stats = StepStats()                     # services.engine.metrics exports both
-        if config.speculative is not None and (runner is not None or cfg.is_hybrid):
-            raise ValueError("speculative decoding runs in the monolithic engine of a "
-                             "full-attention model (the embedded deployment): Gated DeltaNet "
-                             "states cannot roll back a rejected draft yet, and the Q-First "
-                             "attention services run one token a step")
+        if config.speculative is not None and cfg.is_hybrid:
+            raise ValueError("speculative decoding runs on full-attention models: Gated "
+                             "DeltaNet states cannot roll back a rejected draft yet")
         self._ids = itertools.count()
 
     @staticmethod
@@ -262,7 +261,7 @@ class LLMEngine:
             seq.matcher = matcher
             if self.grammars.metrics is not None:
                 self.grammars.metrics.admitted(params.structured.kind)
-        seq.skip_draws(len(output_ids), self.model.config.vocab_size)
+        seq.skip_draws(len(output_ids))
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -405,9 +404,11 @@ class LLMEngine:
         params, generators, histories = [], [], []
         for c, a in zip(chunks, allowed):
             s = c.seq
+            if c.draft:
+                s.draft_generators = draft_generators(s.generator, c.draft)
             for i in range(1 + c.draft):
                 params.append(s.params.sampling)
-                generators.append(s.generator)
+                generators.append(s.draft_generators[i] if c.draft else s.generator)
                 histories.append(s.params.history(
                     s.prompt_ids, s.output_ids + s.draft[:i] if i else s.output_ids,
                     self.eos_token_ids, a))
@@ -491,6 +492,9 @@ class LLMEngine:
         seq.draft = []
         if seq.finished:
             return
+        if seq.generator is not None:      # where a plain decode of `emitted` tokens leaves it
+            seq.generator.set_state(seq.draft_generators[emitted - 1].get_state())
+        seq.draft_generators = []
         seq.num_computed = c.start + emitted
         keep = self.blocks.blocks_for(seq.num_tokens)
         if len(seq.block_table) > keep:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.sampling import TokenLogprob
+from kernels.sampling import TokenLogprob, skip
 from services.common.messages import GenerationParams, PromptExport
 
 
@@ -48,22 +48,19 @@ class Sequence:
     matcher: object | None = None  # its grammar's state (`structured.Matcher`), if constrained
     draft: list[int] = field(default_factory=list)   # tokens proposed for its next step
                                                      # (speculative decoding), unverified
+    draft_generators: list = field(default_factory=list)   # a seeded draft step's sampler
+                                                           # for each row (`draft_generators`)
 
     def __post_init__(self):
         seed = self.params.sampling.seed
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 
-    def skip_draws(self, n: int, vocab_size: int) -> None:
-        """Advance a seeded sampler past `n` tokens drawn elsewhere (a migrated request).
-        Each sampled token is one `torch.multinomial` draw over the vocabulary, and a
-        draw's use of the generator does not depend on the probabilities, so `n` draws
-        over any distribution leave it where the original run's left it."""
-        if self.generator is None or self.params.sampling.greedy or n <= 0:
-            return
-        uniform = torch.full((vocab_size,), 1.0 / vocab_size)
-        for _ in range(n):
-            torch.multinomial(uniform, 1, generator=self.generator)
+    def skip_draws(self, n: int) -> None:
+        """Advance a seeded sampler past `n` tokens drawn elsewhere (a migrated request):
+        each sampled token is one uniform number (`kernels.sampling.draw`)."""
+        if self.generator is not None and not self.params.sampling.greedy and n > 0:
+            skip(self.generator, n)
 
     @property
     def tokens(self) -> list[int]:

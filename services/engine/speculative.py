@@ -1,6 +1,6 @@
 """Speculative decoding without a draft model: n-gram prompt lookup (vLLM's `ngram`).
 
-Before a step, each running greedy request looks for the last `n` tokens it holds (n from
+Before a step, each running request looks for the last `n` tokens it holds (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its prompt and output. At the
 latest earlier match, the tokens that followed are its draft: up to
 `num_speculative_tokens` of them. The step then feeds the request's last token and the
@@ -8,24 +8,33 @@ draft as one chunk of 1 + k rows (`ScheduledChunk.draft`), attending over the ca
 prompt chunk does, and samples every row. Row i's history is the output plus the first i
 draft tokens, so penalties and `min_tokens` see what a step-by-step decode would have seen.
 
-Verification keeps the greedy output unchanged: row i's token is the one a plain decode
-would pick after the draft's first i tokens, so the step emits row 0's token, then row
-i + 1's for as long as row i's token equals draft token i. The keys and values of the
-rejected draft tokens stay in the cache past the sequence's end, where the next step
-overwrites them; blocks taken for them and no longer needed go back at once.
+Verification: the step emits row 0's token, then row i + 1's for as long as row i's token
+equals draft token i. For a greedy request, row i's token is the one a plain decode would
+pick after the draft's first i tokens, so the output is unchanged. For a sampled request
+this is rejection sampling with a draft of probability 1 on its token: draft token d is
+kept with probability p(d) (the row drew d), and when it is not, the row's own draw is a
+token from p without d, renormalized (the residual distribution), so every emitted token
+has the plain decode's distribution. Row i of a seeded request draws with the sampler
+state a plain decode would have at that token (`draft_generators`), and the request's
+sampler ends where a plain decode of the emitted tokens leaves it: a seeded request gives
+the plain decode's tokens, draft or not. The keys and values of the rejected draft tokens
+stay in the cache past the sequence's end, where the next step overwrites them; blocks
+taken for them and no longer needed go back at once.
 
-Which requests draft: greedy ones without a grammar, and none while more requests than
+Which requests draft: those without a grammar, and none while more requests than
 `disable_by_batch_size` run (a large batch's products cost more per extra row, and a draft
-the model rejects is paid for by every row). Sampled requests decode one token a
-step (rejection sampling for them is not built), as do the Gated DeltaNet hybrids (their
-recurrent state would need rolling back on a rejection) and the Q-First deployment's
-engines (the attention services run decode rows only)."""
+the model rejects is paid for by every row). The Gated DeltaNet hybrids decode one token a
+step (their recurrent state would need rolling back on a rejection). Both deployments
+draft: on the Ray deployment the attention services run the draft rows through the pool's
+stages like a prompt chunk's, and the pool samples every row."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from kernels.sampling import skip
 from services.engine.sequence import Sequence
 
 
@@ -90,8 +99,25 @@ def propose(tokens: list[int], config: NgramConfig, limit: int) -> list[int]:
 
 
 def drafts(seq: Sequence) -> bool:
-    """Whether `seq` may draft: greedy, no grammar."""
-    return seq.params.sampling.greedy and seq.matcher is None
+    """Whether `seq` may draft: any request without a grammar (a grammar's matcher would
+    have to walk the draft before its rows' masks exist)."""
+    return seq.matcher is None
+
+
+def draft_generators(generator: torch.Generator | None, k: int) -> list:
+    """The samplers of a draft step's 1 + k rows: row i draws with the state a plain decode
+    would have after i more tokens (`generator` itself for row 0, a copy advanced i draws
+    for the others; each draw is one uniform number, `kernels.sampling.draw`). None for
+    an unseeded request: its rows draw from the global generator."""
+    if generator is None:
+        return [None] * (1 + k)
+    rows = [generator]
+    for _ in range(k):
+        nxt = torch.Generator(generator.device)
+        nxt.set_state(rows[-1].get_state())
+        skip(nxt)
+        rows.append(nxt)
+    return rows
 
 
 @dataclass

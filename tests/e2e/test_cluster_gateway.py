@@ -2,6 +2,10 @@
 attention services, each with its KV split over 2 shards, and 2 MLP pool replicas over the
 grpc transport), reached over HTTP with the official `openai` client and raw SSE.
 
+The attention services draft with n-gram speculative decoding, so every test that compares
+tokens with the exact engine or with the (non-speculative) embedded server checks that a
+speculative greedy answer is the plain one, through migrations and retries too.
+
 The tests run in order: the last one kills an attention service.
 """
 from __future__ import annotations
@@ -19,12 +23,14 @@ import torch
 
 from kernels.sampling import SamplingParams
 from models import load_model
+from services.deployment.build import EngineOptions
 from services.deployment.ray_cluster import ClusterConfig
+from services.engine.speculative import NgramConfig
 from services.common.tokenizer import load_tokenizer
 from services.engine import GenerationParams, LLMEngine
 from services.deployment.server import build_cluster
-from tests.helpers.gateway import (ZOO, fresh_metrics, migrations, reference_texts, running,
-                                   stream_completion)
+from tests.helpers.gateway import (ZOO, deployment_metrics, fresh_metrics, migrations,
+                                   reference_texts, running, stream_completion)
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +50,8 @@ def reference():
 @pytest.fixture(scope="module")
 def cluster(ray_session):
     config = ClusterConfig(model=str(ZOO), attention_shards=2, kv_splits=2, mlp_replicas=2,
-                           transport="grpc", kv_cache_bytes=128 << 20, max_num_seqs=8)
+                           transport="grpc", kv_cache_bytes=128 << 20, max_num_seqs=8,
+                           prefill=EngineOptions(speculative=NgramConfig(4, 4, 2)))
     app, cluster = build_cluster(config, served_name="smollm2-135m")
     with running(app) as base:
         yield base, cluster
@@ -317,6 +324,37 @@ def test_both_deployments_give_identical_results_and_errors(cluster, embedded, r
     long_usage = comparable(httpx.post(f"{base}/v1/completions",
                                        json=parity_requests(tok)[4][1], timeout=300))[2]
     assert long_usage["prompt_tokens"] == 700
+
+
+def spec_counter(base: str, name: str) -> float:
+    """`splitstack_spec_decode_num_{name}_total` summed over the attention services."""
+    return sum(float(line.split()[-1]) for line in deployment_metrics(base).splitlines()
+               if line.startswith(f"splitstack_spec_decode_num_{name}_total{{"))
+
+
+def test_attention_services_draft_and_answer_as_the_plain_embedded_server(cluster, embedded,
+                                                                          ray_session):
+    """A copy-heavy greedy chat answer: the attention services verify n-gram drafts
+    (accepted tokens move on their /metrics), and the answer, whole and streamed, is the
+    embedded server's without speculation."""
+    import inspect
+    import textwrap
+
+    base, handles = cluster
+    ask = {"model": "smollm2-135m", "max_tokens": 64, "temperature": 0, "messages": [
+        {"role": "user", "content": "Here is a Python function:\n\n```python\n"
+         f"{inspect.getsource(textwrap.indent)}```\n\nRewrite it with the function renamed "
+         "to `indent_v2`. Reply with the code only."}]}
+    before = spec_counter(base, "accepted_tokens")
+    want = openai.OpenAI(base_url=embedded + "/v1", api_key="unused").chat.completions.create(
+        **ask).choices[0].message.content
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused")
+    assert client.chat.completions.create(**ask).choices[0].message.content == want
+    chunks = client.chat.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert spec_counter(base, "accepted_tokens") - before > 0
+    assert spec_counter(base, "draft_tokens") >= spec_counter(base, "accepted_tokens")
+    assert_no_leaks(ray_session, handles.attention)
 
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["name", "capital"],

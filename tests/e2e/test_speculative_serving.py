@@ -1,7 +1,7 @@
 """n-gram speculative decoding served over real HTTP with the official `openai` client,
 the engine in its own process: a copy-heavy greedy answer equals the plain server's, whole
 and streamed (several tokens a step reach the stream intact), the acceptance counters move
-on /metrics, and a sampled request is served as usual."""
+on /metrics, and a seeded sampled request drafts and keeps the plain server's answer."""
 from __future__ import annotations
 
 import inspect
@@ -50,10 +50,16 @@ def test_greedy_answers_equal_the_plain_servers_whole_and_streamed(servers):
     assert accepted > 0 and counter(spec, "draft_tokens") >= counter(spec, "accepted_tokens")
 
 
-def test_a_sampled_request_is_served_without_drafts(servers):
-    spec, _ = servers
+def test_a_seeded_sampled_request_drafts_and_keeps_the_plain_servers_tokens(servers):
+    """Sampled requests draft too (rejection sampling); with a seed, each row draws with
+    the state a plain decode would have at that token, so the answer is the plain
+    server's, token for token."""
+    spec, plain = servers
     drafts = counter(spec, "drafts")
-    r = client(spec).chat.completions.create(model=MODEL, messages=ASK, max_tokens=24,
-                                             temperature=0.8, seed=3)
-    assert r.usage.completion_tokens == 24 or r.choices[0].finish_reason == "stop"
-    assert counter(spec, "drafts") == drafts
+    ask = dict(model=MODEL, messages=ASK, max_tokens=48, temperature=0.3, seed=3,
+               logprobs=True)
+    want = client(plain).chat.completions.create(**ask).choices[0]
+    got = client(spec).chat.completions.create(**ask).choices[0]
+    assert got.message.content == want.message.content
+    assert [t.token for t in got.logprobs.content] == [t.token for t in want.logprobs.content]
+    assert counter(spec, "drafts") > drafts

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.sampling import SamplingParams
 from models import load_model
 from services.attention.runner import qfirst_engine
 from services.deployment.transports import make_transport
@@ -93,6 +94,36 @@ def test_a_step_runs_as_two_parts_in_flight_at_once(family, tiny_checkpoint, poo
         got = service.pop(seq_id)
         assert got.output_ids == want.output_ids
         assert (torch.stack(got.logits) - torch.stack(want.logits)).abs().max().item() <= 1e-4
+    assert service.blocks.num_free == service.blocks.num_blocks
+
+
+def test_draft_steps_over_grpc_run_in_two_parts_and_give_the_exact_tokens(tiny_checkpoint,
+                                                                          pool_servers):
+    """n-gram speculative decoding on an attention service over gRPC: draft steps of
+    several requests run as the two in-flight parts, every draft row is sampled by the
+    pool (a seeded request's rows each with its own sampler state), and the tokens equal
+    the plain exact engine's."""
+    from services.engine.speculative import NgramConfig
+
+    path, _ = tiny_checkpoint("llama3")
+    model = load_model(path)
+    phrase = prompts()[2]
+    asks = [phrase * 4, prompts()[3], (phrase * 3)[:23]]     # two repeat themselves
+    asks.append(phrase * 5)
+    params = [PARAMS] * 3 + [GenerationParams(
+        max_tokens=PARAMS.max_tokens, ignore_eos=True, return_logits=True,
+        sampling=SamplingParams(temperature=0.3, seed=11))]
+    ref = LLMEngine(model).generate(asks, params)
+    servers = pool_servers(model, 1)
+    service = qfirst_engine(model, make_transport("grpc", [servers[0][1]]), num_shards=2,
+                            block_size=4, num_blocks=64,
+                            speculative=NgramConfig(4, 3, 1))
+    assert service.runner.pool.pipelines
+    got = service.generate(asks, params)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert (torch.stack(g.logits) - torch.stack(r.logits)).abs().max().item() <= 1e-4
+    assert 0 < service.spec_stats.accepted_tokens < service.spec_stats.draft_tokens
     assert service.blocks.num_free == service.blocks.num_blocks
 
 

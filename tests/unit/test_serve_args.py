@@ -193,8 +193,10 @@ def test_speculative_config_takes_vllms_json_and_refuses_what_cannot_run():
         with pytest.raises(FlagError, match=says) as err:
             parse("--speculative-config", bad)
         assert err.value.flag == "--speculative-config"
-    with pytest.raises(FlagError, match="embedded engine"):
-        parse("--speculative-config", "{}", "--disaggregated")
+    # the Ray deployment's attention services draft too
+    cluster = parse("--speculative-config", '{"num_speculative_tokens": 2}',
+                    "--disaggregated").cluster_config()
+    assert cluster.prefill.speculative == NgramConfig(2)
 
 
 def test_compile_and_quantization_reach_every_engine_and_member():

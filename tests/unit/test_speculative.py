@@ -105,20 +105,52 @@ def test_penalties_min_tokens_and_stops_follow_the_draft(tiny_checkpoint):
     assert spec.blocks.num_free == spec.blocks.num_blocks
 
 
-def test_drafts_stop_at_max_tokens_and_sampled_requests_decode_one_token(tiny_checkpoint):
-    """No step emits past `max_tokens`; a sampled request never drafts (it keeps its
-    seeded tokens), and a greedy one beside it still does."""
+def test_drafts_stop_at_max_tokens_and_seeded_sampled_requests_keep_their_tokens(
+        tiny_checkpoint):
+    """No step emits past `max_tokens`. Sampled requests draft too, verified by rejection
+    sampling: with a seed, each row draws with the state a plain decode would have at that
+    token, so seeded answers (with top-p, top-k and penalties, over several seeds) are the
+    plain engine's token for token, drafts accepted and rejected on the way."""
     path, _ = tiny_checkpoint("llama3")
     spec, plain = engines(path)
     p = repetitive(30, 5)
-    seeded = GenerationParams(max_tokens=9, ignore_eos=True,
-                              sampling=SamplingParams(temperature=0.8, seed=7))
+    sampled = [GenerationParams(max_tokens=24, ignore_eos=True, sampling=SamplingParams(
+        temperature=t, seed=seed, top_p=0.95, top_k=200, repetition_penalty=1.05))
+        for seed, t in ((7, 0.1), (8, 0.2), (9, 0.4), (10, 0.8))]
     greedy = GenerationParams(max_tokens=9, ignore_eos=True)
-    got = spec.generate([p, p], [seeded, greedy])
-    ref = plain.generate([p, p], [seeded, greedy])
-    assert [len(g.output_ids) for g in got] == [9, 9]
+    asks = [p, p, repetitive(26, 6), repetitive(33, 7), p]
+    params = sampled + [greedy]
+    got = spec.generate(asks, params)
+    ref = plain.generate(asks, params)
+    assert [len(g.output_ids) for g in got] == [24] * 4 + [9]
     assert [g.output_ids for g in got] == [r.output_ids for r in ref]
-    assert spec.spec_stats.drafts > 0
+    stats = spec.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    # the sampled requests alone draft and verify too
+    spec.spec_stats.drafts = spec.spec_stats.accepted_tokens = 0
+    assert [g.output_ids for g in spec.generate(asks[:4], sampled)] == \
+        [r.output_ids for r in ref[:4]]
+    assert spec.spec_stats.drafts > 0 and spec.spec_stats.accepted_tokens > 0
+    assert spec.blocks.num_free == spec.blocks.num_blocks
+
+
+def test_an_unseeded_draft_step_keeps_the_distribution():
+    """Verification by rejection sampling, unseeded: for a row whose distribution is p and
+    whose draft token is d, the emitted token has distribution p (d kept with probability
+    p(d); otherwise the row's draw, which is p without d, renormalized)."""
+    from kernels.sampling import draw
+
+    torch.manual_seed(0)
+    p = torch.tensor([0.5, 0.2, 0.2, 0.1])
+    draft, n = 1, 20000
+    counts = torch.zeros(4)
+    kept = 0
+    for _ in range(n):
+        tok = draw(p)                      # the row's draw; kept iff it equals the draft
+        kept += tok == draft
+        counts[tok] += 1
+    assert abs(kept / n - p[draft].item()) < 0.01
+    assert (counts / n - p).abs().max().item() < 0.01
 
 
 def test_no_drafts_past_disable_by_batch_size(tiny_checkpoint):
@@ -141,3 +173,40 @@ def test_what_cannot_verify_a_draft_is_refused(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3_5")                 # Gated DeltaNet layers
     with pytest.raises(ValueError, match="Gated DeltaNet"):
         LLMEngine(load_model(path), EngineConfig(num_blocks=32, speculative=SPEC))
+
+
+@pytest.mark.parametrize("family,wiring", [("llama3", "standard"), ("qwen3", "standard"),
+                                           ("qwen3", "qfirst")])
+def test_qfirst_attention_service_drafts_and_gives_the_exact_tokens(family, wiring,
+                                                                    tiny_checkpoint, tmp_path):
+    """An attention service's engine drafts too: a draft step's 1 + k rows go through the
+    pool's stages and the service's shards like a prompt chunk's, every row is sampled by
+    the pool, and the greedy tokens (and logits) are the plain exact engine's, on two KV
+    shards and two pool replicas, under either wiring; no block is left behind."""
+    from services.attention.runner import qfirst_engine
+    from services.deployment.transports import make_transport
+    from services.mlp_pool import MLPPool
+    from tests.helpers.checkpoints import qfirst_copy
+
+    path, _ = tiny_checkpoint(family)
+    if wiring == "qfirst":
+        path = qfirst_copy(path, tmp_path / "qfirst")
+    model = load_model(path)
+    pools = [MLPPool(model, f"pool-{i}") for i in range(2)]
+    service = qfirst_engine(model, make_transport("local", pools), num_shards=2,
+                            block_size=2, num_blocks=256, max_num_seqs=4, wiring=wiring,
+                            speculative=SPEC)
+    greedy = GenerationParams(max_tokens=24, ignore_eos=True, return_logits=True)
+    seeded = GenerationParams(max_tokens=24, ignore_eos=True, return_logits=True,
+                              sampling=SamplingParams(temperature=0.2, seed=5))
+    prompts = [repetitive(40, 1), prompt(30, seed=2), repetitive(23, 3), repetitive(30, 4)]
+    params = [greedy] * 3 + [seeded]
+    got = service.generate(prompts, params)
+    ref = LLMEngine(model, EngineConfig(block_size=4, num_blocks=256)).generate(prompts, params)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert (torch.stack(g.logits) - torch.stack(r.logits)).abs().max().item() <= 1e-4
+    stats = service.spec_stats
+    assert stats.drafts > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
+    service.blocks.check()
+    assert service.blocks.num_free == service.blocks.num_blocks
