@@ -35,7 +35,8 @@ from services.attention.shard import KVShard, SeqRows, table_runs
 from services.common.messages import PromptExport
 from services.common.transport import Transport
 from services.engine.engine import EngineConfig, LLMEngine
-from services.engine.runner import CacheLayout, Sampled, SamplingRows, score_chunk
+from services.engine.runner import (CacheLayout, DraftStates, Sampled, SamplingRows,
+                                   score_chunk)
 from services.engine.scheduler import SchedulerOutput
 
 WIRINGS = ("standard", "qfirst")
@@ -127,6 +128,7 @@ class QFirstRunner:
             raise ValueError("the shards do not match the engine's cache layout")
         gdn = cfg.linear_attention_layers
         self.gdn_index = {l: i for i, l in enumerate(gdn)}
+        self.drafts = DraftStates(model, self.gdn_index)
         self.conv = self.rec = None
         if gdn:
             self.conv = torch.zeros(len(gdn), layout.num_slots, cfg.gdn_conv_dim,
@@ -144,6 +146,9 @@ class QFirstRunner:
         if slot is not None:
             self.conv[:, slot] = export.conv
             self.rec[:, slot] = export.recurrent
+
+    def keep_draft(self, slot: int, rows: int) -> None:
+        self.drafts.keep(self.conv, self.rec, slot, rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput,
@@ -242,8 +247,9 @@ class QFirstRunner:
         for seq_rows, c in zip(st.prefill, sched.prefill):
             r0, n, slot = seq_rows.rows[0], len(seq_rows.rows), c.seq.state_slot
             inp = GDNInputs(*(t[r0:r0 + n][None] for t in out.gdn))
-            o_p, c_new, r_new = self.model.gdn_mix(l, inp, conv[slot:slot + 1],
-                                                   rec[slot:slot + 1])
+            state = conv[slot:slot + 1], rec[slot:slot + 1]
+            o_p, c_new, r_new = (self.drafts.mix(l, inp, *state, slot) if c.draft
+                                 else self.model.gdn_mix(l, inp, *state))
             conv[slot], rec[slot] = c_new[0], r_new[0]
             o[r0:r0 + n] = o_p[0]
         return self.model.gdn_output(l, out.z, o, out.gdn.z)

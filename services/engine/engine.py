@@ -153,9 +153,6 @@ class LLMEngine:
         self.seqs: dict[int, Sequence] = {}
         self.spec_stats = SpecStats()
         self.stats = StepStats()                     # services.engine.metrics exports both
-        if config.speculative is not None and cfg.is_hybrid:
-            raise ValueError("speculative decoding runs on full-attention models: Gated "
-                             "DeltaNet states cannot roll back a rejected draft yet")
         self._ids = itertools.count()
 
     @staticmethod
@@ -473,23 +470,27 @@ class LLMEngine:
         results, rows = [], iter(rows)
         for c in [c for c in out.chunks if c.sample]:
             chunk_rows = [next(rows) for _ in range(1 + c.draft)]
+            slot = c.seq.state_slot                 # (a sequence that finishes frees it)
             for i, (tok, lp, logits) in enumerate(chunk_rows):
                 results.append(self._emit(c, tok, lp, logits, exports))
                 if c.seq.finished or i == c.draft or tok != c.seq.draft[i]:
                     break
             if c.draft:
-                self._verified(c, i + 1)
+                self._verified(c, i + 1, slot)
         return results
 
-    def _verified(self, c: ScheduledChunk, emitted: int) -> None:
+    def _verified(self, c: ScheduledChunk, emitted: int, slot: int | None) -> None:
         """After a speculative step that emitted `emitted` tokens (the accepted draft
-        tokens and one more): the cache holds the sequence up to its new last token, and
-        blocks taken for rejected draft tokens go back."""
+        tokens and one more): the cache holds the sequence up to its new last token, the
+        Gated DeltaNet states in `slot` are those after its last kept row, and blocks taken
+        for rejected draft tokens go back."""
         seq = c.seq
         self.spec_stats.drafts += 1
         self.spec_stats.draft_tokens += c.draft
         self.spec_stats.accepted_tokens += emitted - 1
         seq.draft = []
+        if slot is not None:
+            self.runner.keep_draft(slot, emitted)
         if seq.finished:
             return
         if seq.generator is not None:      # where a plain decode of `emitted` tokens leaves it

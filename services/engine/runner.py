@@ -73,6 +73,39 @@ class Runner(Protocol):
         """Store a prompt prefilled elsewhere (KV into the blocks of `table`, GDN states
         into `slot`)."""
 
+    def keep_draft(self, slot: int, rows: int) -> None:
+        """After a speculative step of a hybrid model's sequence: its GDN states in `slot`
+        become those after the step's first `rows` rows (the accepted draft)."""
+
+
+class DraftStates:
+    """A runner's Gated DeltaNet states of its speculative steps' rows: a draft chunk's
+    recurrence runs a row at a time (as plain decoding runs it), and the state after each
+    row is kept until the engine says how many rows were accepted (`keep`), so a rejected
+    draft rolls back."""
+
+    def __init__(self, model: CausalLM, gdn_index: dict[int, int]):
+        self.model, self.gdn_index = model, gdn_index
+        self.pending: dict[tuple[int, int], tuple[list, list]] = {}  # (slot, gi) -> states
+
+    def mix(self, l: int, inp: GDNInputs, conv: torch.Tensor, rec: torch.Tensor, slot: int):
+        """`model.gdn_mix` over the draft chunk [1, n] of the sequence in `slot`."""
+        outs, convs, recs = [], [], []
+        for i in range(inp.z.shape[1]):
+            o, conv, rec = self.model.gdn_mix(l, GDNInputs(*(t[:, i:i + 1] for t in inp)),
+                                              conv, rec)
+            outs.append(o)
+            convs.append(conv[0])
+            recs.append(rec[0])
+        self.pending[(slot, self.gdn_index[l])] = (convs, recs)
+        return torch.cat(outs, 1), conv, rec
+
+    def keep(self, conv: torch.Tensor, rec: torch.Tensor, slot: int, rows: int) -> None:
+        """conv, rec [G, slots, ...]: slot's states after its draft step's first `rows`."""
+        for gi in range(conv.shape[0]):
+            convs, recs = self.pending.pop((slot, gi))
+            conv[gi, slot], rec[gi, slot] = convs[rows - 1], recs[rows - 1]
+
 
 RunnerFactory = Callable[[CacheLayout], Runner]
 
@@ -103,7 +136,8 @@ class StepTensors:
     num_decode: int
     dec_plan: PagedPlan | None    # decode rows' view of the paged cache (shared by layers)
     dec_state_slots: torch.Tensor  # [Bd]
-    prefill: list[tuple[int, int, PagedPlan | None, int | None]]  # (row0, len, plan, slot)
+    # (row0, len, plan, state slot, draft tokens): a speculative step's chunk has a draft
+    prefill: list[tuple[int, int, PagedPlan | None, int | None, int]]
     sample_rows: torch.Tensor     # [S]
 
 
@@ -123,7 +157,7 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
         if c.start > 0:     # continues a sequence: attend over its cached prefix as well
             plan = backend.plan_paged(as_long([c.seq.block_table]), as_long([c.start + c.length]),
                                       block_size, c.length, as_long([c.start]))
-        prefill.append((row, c.length, plan, c.seq.state_slot))
+        prefill.append((row, c.length, plan, c.seq.state_slot, c.draft))
         row += c.length
         if c.sample:        # the last row; every row of a speculative step
             sample_rows.extend(range(row - 1 - c.draft, row))
@@ -152,6 +186,7 @@ class ModelRunner:
         `compile_in_background` on a thread while steps run eagerly."""
         self.model = model
         self.cache = cache
+        self.drafts = DraftStates(model, cache.gdn_index)
         self.attn = get_backend(attention_backend, model.device)
         self.keep_hidden = frozenset(keep_hidden)   # layers whose output capturing chunks keep
         # decode-only steps through CUDA graphs (SPLITSTACK_DECODE_GRAPHS=1, CUDA only)
@@ -191,6 +226,9 @@ class ModelRunner:
             self.cache.conv[:, slot] = export.conv
             self.cache.recurrent[:, slot] = export.recurrent
 
+    def keep_draft(self, slot: int, rows: int) -> None:
+        self.drafts.keep(self.cache.conv, self.cache.recurrent, slot, rows)
+
     def export(self, table: list[int], slot: int | None, num_tokens: int) -> PromptExport:
         """A copy of positions [0, num_tokens) and the state slot, for decode elsewhere."""
         conv = rec = None
@@ -210,9 +248,9 @@ class ModelRunner:
         for c in out.prefill:
             if c.start == 0 and c.seq.state_slot is not None:
                 self.cache.reset_slot(c.seq.state_slot)
-        keep = [(row, n, c) for (row, n, _, _), c in zip(st.prefill, out.prefill) if c.capture]
+        keep = [(row, n, c) for (row, n, *_), c in zip(st.prefill, out.prefill) if c.capture]
         x = self.forward(st, keep)
-        for (row, n, _, _), c in zip(st.prefill, out.prefill):
+        for (row, n, *_), c in zip(st.prefill, out.prefill):
             if c.seq.params.prompt_logprobs is not None:
                 score_chunk(c, x[row:row + n],
                             lambda h, t, k: score_rows(self.model.final, h, t, k))
@@ -250,7 +288,7 @@ class ModelRunner:
         nd = st.num_decode
         if nd:
             o[:nd] = self.attn.run_paged(a.q[:nd, None], k_cache, v_cache, st.dec_plan)[0][:, 0]
-        for row, n, plan, _ in st.prefill:
+        for row, n, plan, *_ in st.prefill:
             q = a.q[row:row + n][None]
             if plan is None:   # fresh prompt: its keys are exactly this chunk's rows
                 o_seq, _ = self.attn.attention_lse(q, a.k[row:row + n][None],
@@ -271,10 +309,11 @@ class ModelRunner:
             dec = GDNInputs(*(t[:nd, None] for t in inp))
             o_dec, conv[sl], rec[sl] = self.model.gdn_mix(l, dec, conv[sl], rec[sl])
             o[:nd] = o_dec[:, 0]
-        for row, n, _, slot in st.prefill:
+        for row, n, _, slot, draft in st.prefill:
             seq_in = GDNInputs(*(t[row:row + n][None] for t in inp))
-            o_seq, c_new, r_new = self.model.gdn_mix(l, seq_in, conv[slot:slot + 1],
-                                                     rec[slot:slot + 1])
+            state = conv[slot:slot + 1], rec[slot:slot + 1]
+            o_seq, c_new, r_new = (self.drafts.mix(l, seq_in, *state, slot) if draft
+                                   else self.model.gdn_mix(l, seq_in, *state))
             conv[slot], rec[slot] = c_new[0], r_new[0]
             o[row:row + n] = o_seq[0]
         return self.model.gdn_output(l, x, o, inp.z)

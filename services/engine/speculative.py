@@ -23,9 +23,9 @@ taken for them and no longer needed go back at once.
 
 Which requests draft: those without a grammar, and none while more requests than
 `disable_by_batch_size` run (a large batch's products cost more per extra row, and a draft
-the model rejects is paid for by every row). The Gated DeltaNet hybrids decode one token a
-step (their recurrent state would need rolling back on a rejection). Both deployments
-draft: on the Ray deployment the attention services run the draft rows through the pool's
+the model rejects is paid for by every row). On the Gated DeltaNet hybrids a draft step
+runs the recurrence a row at a time and keeps each row's states, and the sequence's slot
+then takes those after its last kept row (`runner.DraftStates`). Both deployments draft: on the Ray deployment the attention services run the draft rows through the pool's
 stages like a prompt chunk's, and the pool samples every row."""
 from __future__ import annotations
 

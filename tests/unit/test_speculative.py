@@ -1,8 +1,8 @@
 """Speculative decoding by n-gram prompt lookup: the proposer finds the latest earlier match
 of the longest suffix; a greedy engine that drafts gives exactly the tokens (and, within
 rounding, the logits) of one that does not, with penalties and `min_tokens` too; drafts
-respect `max_tokens`; rejected drafts give their blocks back; models and deployments it
-cannot verify on are refused at start."""
+respect `max_tokens`; rejected drafts give their blocks back, and on the Gated DeltaNet
+hybrids their recurrent states roll back; both deployments draft."""
 from __future__ import annotations
 
 import pytest
@@ -169,12 +169,6 @@ def test_no_drafts_past_disable_by_batch_size(tiny_checkpoint):
         NgramConfig(disable_by_batch_size=0)
 
 
-def test_what_cannot_verify_a_draft_is_refused(tiny_checkpoint):
-    path, _ = tiny_checkpoint("qwen3_5")                 # Gated DeltaNet layers
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        LLMEngine(load_model(path), EngineConfig(num_blocks=32, speculative=SPEC))
-
-
 @pytest.mark.parametrize("family,wiring", [("llama3", "standard"), ("qwen3", "standard"),
                                            ("qwen3", "qfirst")])
 def test_qfirst_attention_service_drafts_and_gives_the_exact_tokens(family, wiring,
@@ -210,3 +204,62 @@ def test_qfirst_attention_service_drafts_and_gives_the_exact_tokens(family, wiri
     assert stats.drafts > 0 and 0 < stats.accepted_tokens < stats.draft_tokens
     service.blocks.check()
     assert service.blocks.num_free == service.blocks.num_blocks
+
+
+def oracle(prompts, outputs, vocab):
+    """A proposer that drafts the plain engine's own continuation, with one token wrong
+    in two drafts of every three (the second, then the first), so steps accept all, some
+    or none of a draft. Random tiny hybrids never repeat themselves, so n-gram lookup
+    alone would draft nothing they accept."""
+    def propose(tokens, config, limit):
+        for p, out in zip(prompts, outputs):
+            if tokens[:len(p)] == p:
+                j = len(tokens) - len(p)
+                draft = out[j:j + min(limit, config.num_speculative_tokens)]
+                wrong = (j % 3 == 1 and len(draft) > 1) + 2 * (j % 3 == 2 and len(draft) > 0)
+                if wrong:
+                    i = 1 if wrong == 1 else 0
+                    draft[i] = (draft[i] + 1) % vocab
+                return draft
+        raise AssertionError("a sequence no prompt starts")
+    return propose
+
+
+@pytest.mark.parametrize("family,deployment", [("qwen3_5", "embedded"),
+                                               ("qwen3_next", "embedded"),
+                                               ("qwen3_next", "qfirst")])
+def test_hybrid_states_roll_back_to_the_accepted_rows(family, deployment, tiny_checkpoint,
+                                                      monkeypatch):
+    """Gated DeltaNet hybrids: a draft step runs the recurrence a row at a time and keeps
+    each row's conv and recurrent states; after verification the sequence's slot holds
+    those after the last accepted row. With drafts accepted whole, in part and not at all,
+    greedy and seeded outputs (and logits) are the plain engine's."""
+    import services.engine.engine as engine_module
+    from services.attention.runner import qfirst_engine
+    from services.deployment.transports import make_transport
+    from services.mlp_pool import MLPPool
+
+    path, _ = tiny_checkpoint(family)
+    model = load_model(path)
+    prompts = [prompt(21, seed=1), prompt(9, seed=2), prompt(30, seed=3)]
+    params = [GenerationParams(max_tokens=20, ignore_eos=True, return_logits=True)] * 2 + [
+        GenerationParams(max_tokens=20, ignore_eos=True, return_logits=True,
+                         sampling=SamplingParams(temperature=0.7, seed=3))]
+    ref = LLMEngine(model, EngineConfig(block_size=4, num_blocks=256)).generate(prompts, params)
+    monkeypatch.setattr(engine_module, "propose", oracle(
+        prompts, [r.output_ids for r in ref], model.config.vocab_size))
+    if deployment == "qfirst":
+        spec = qfirst_engine(model, make_transport("local", [MLPPool(model, "pool-0")]),
+                             num_shards=2, block_size=2, num_blocks=256, max_num_seqs=4,
+                             speculative=SPEC)
+    else:
+        spec = LLMEngine(model, EngineConfig(block_size=4, num_blocks=256, max_num_seqs=4,
+                                             speculative=SPEC))
+    got = spec.generate(prompts, params)
+    for g, r in zip(got, ref):
+        assert g.output_ids == r.output_ids
+        assert (torch.stack(g.logits) - torch.stack(r.logits)).abs().max().item() <= 1e-4
+    stats = spec.spec_stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    assert not spec.runner.drafts.pending                  # every draft's states resolved
+    assert spec.blocks.num_free == spec.blocks.num_blocks
