@@ -7,6 +7,8 @@ whether the greedy outputs are the same.
 
 `--temperature T`: sampled requests (seeded, one seed per prompt) instead of greedy ones;
 drafts are verified by rejection sampling, and a seeded answer is the plain one.
+`--whole-drafts`: every draft verified whole (`"adaptive": false`), not only the tokens the
+draft planner expects to pay for their rows.
 `--deployment qfirst`: the engines are attention services (`qfirst_engine`, one torch
 thread) over the MLP pool in a child process (one thread, the same-host link of the `grpc`
 transport), as the Ray deployment runs on one host; a draft step's rows share one round
@@ -98,12 +100,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="embedded: torch threads")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--deployment", choices=("embedded", "qfirst"), default="embedded")
+    ap.add_argument("--whole-drafts", action="store_true",
+                    help='"adaptive": false: verify every draft whole, whatever it costs')
     args = ap.parse_args()
     dtype = resolve_dtype("auto", False)
     model = load_model(MODEL, dtype=DTYPES[dtype])
     tok = load_tokenizer(MODEL)
     eos = eos_token_ids(MODEL)
-    spec = NgramConfig(num_speculative_tokens=args.k)
+    spec = NgramConfig(num_speculative_tokens=args.k, adaptive=not args.whole_drafts)
     config = dict(max_num_seqs=max(args.batch), kv_cache_bytes=256 << 20)
     pool = None
     if args.deployment == "qfirst":
@@ -136,7 +140,8 @@ def main() -> None:
              "Q-First attention service + MLP pool process (same-host link), 1 thread each")
     print(f"# n-gram speculative decoding, {MODEL.name} {dtype}, {where}, {args.threads} "
           f"threads, k={spec.num_speculative_tokens}, lookup {spec.prompt_lookup_max}.."
-          f"{spec.prompt_lookup_min}; {args.repeats} rounds, medians; at most "
+          f"{spec.prompt_lookup_min}, {'adaptive' if spec.adaptive else 'whole'} drafts; "
+          f"{args.repeats} rounds, medians; at most "
           f"{args.max_tokens} tokens, {mode}")
     print("| workload | batch | plain tok/s | ngram tok/s | speedup | acceptance | tokens "
           "per draft step | same outputs |")

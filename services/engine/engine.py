@@ -43,8 +43,8 @@ from services.engine.runner import (CacheLayout, ModelRunner, Runner, RunnerFact
                                     SamplingRows)
 from services.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from services.engine.sequence import Sequence, Status
-from services.engine.speculative import (NgramConfig, SpecStats, draft_generators, drafts,
-                                         propose)
+from services.engine.speculative import (DraftPlanner, NgramConfig, SpecStats,
+                                         draft_generators, drafts, propose)
 from services.prefix_cache import PrefixCache
 from services.prefix_cache.replay import TailReplayConfig
 
@@ -152,6 +152,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.seqs: dict[int, Sequence] = {}
         self.spec_stats = SpecStats()
+        self.draft_planner = DraftPlanner()
         self.stats = StepStats()                     # services.engine.metrics exports both
         self._ids = itertools.count()
 
@@ -352,9 +353,13 @@ class LLMEngine:
             prefill_rows = sum(c.length for c in inner.prefill)
             rows = self._deferred_rows(inner)
             try:
+                started = time.perf_counter()
                 with torch_threads(self.config.prefill_threads
                                    if prefill_rows >= PREFILL_ROWS else None):
                     sampled = self.runner.execute(inner, rows or self._sampling_rows(inner))
+                if self.config.speculative is not None and all(c.draft for c in inner.prefill):
+                    self.draft_planner.observe_step(len(inner.decode) + prefill_rows,
+                                                    time.perf_counter() - started)
             except Exception as exc:  # a failed step fails only the requests in it
                 if rows is not None:
                     wait([rows])         # its matchers are not read after the step
@@ -373,12 +378,18 @@ class LLMEngine:
         spec = self.config.speculative
         running = self.scheduler.running
         busy = spec.disable_by_batch_size is not None and len(running) > spec.disable_by_batch_size
+        drafting, rows = [], 0
         for seq in running:
             seq.draft = []
+            rows += seq.num_uncomputed == 1
             if not busy and seq.num_uncomputed == 1 and drafts(seq):
                 room = min(seq.params.max_tokens - len(seq.output_ids) - 1,
                            self.max_model_len - seq.num_tokens)
                 seq.draft = propose(seq.tokens, spec, room)
+                if seq.draft:
+                    drafting.append(seq)
+        if drafting and spec.adaptive:
+            self.draft_planner.trim(drafting, rows)
 
     def _deferred_rows(self, out: SchedulerOutput) -> Future | None:
         """The step's sampling rows computed on the mask thread while the runner runs the
@@ -488,6 +499,7 @@ class LLMEngine:
         self.spec_stats.drafts += 1
         self.spec_stats.draft_tokens += c.draft
         self.spec_stats.accepted_tokens += emitted - 1
+        self.draft_planner.observe_draft(seq, c.draft, emitted - 1)
         seq.draft = []
         if slot is not None:
             self.runner.keep_draft(slot, emitted)

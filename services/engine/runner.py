@@ -134,11 +134,14 @@ class StepTensors:
     positions: torch.Tensor       # [N]
     slots: torch.Tensor           # [N] flat cache slot of each row
     num_decode: int
-    dec_plan: PagedPlan | None    # decode rows' view of the paged cache (shared by layers)
+    dec_plan: PagedPlan | None    # the paged rows' view of the cache (shared by layers)
     dec_state_slots: torch.Tensor  # [Bd]
     # (row0, len, plan, state slot, draft tokens): a speculative step's chunk has a draft
     prefill: list[tuple[int, int, PagedPlan | None, int | None, int]]
     sample_rows: torch.Tensor     # [S]
+    # the rows `dec_plan` attends for, when not just the decode rows [0, num_decode): those
+    # and every row of each draft chunk, each a one-row query over its sequence's prefix
+    paged_rows: torch.Tensor | None = None
 
 
 def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTensors:
@@ -148,13 +151,19 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
         for p in range(c.start, c.start + c.length):
             positions.append(p)
             slots.append(c.seq.block_table[p // block_size] * block_size + p % block_size)
-    width = max((len(c.seq.block_table) for c in out.decode), default=0)
-    tables = [c.seq.block_table + [-1] * (width - len(c.seq.block_table)) for c in out.decode]
     as_long = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    # one-row queries over the paged cache: the decode rows, and a draft chunk's rows (row
+    # i of a chunk at `start` sees positions <= start + i, its own k, v written first), so
+    # a speculative step attends as its decode steps would, in one kernel call per layer
+    paged = [(c.seq.block_table, c.start + 1) for c in out.decode]
+    paged_rows = list(range(len(out.decode)))
     prefill, row, sample_rows = [], len(out.decode), list(range(len(out.decode)))
     for c in out.prefill:
         plan = None
-        if c.start > 0:     # continues a sequence: attend over its cached prefix as well
+        if c.draft:
+            paged += [(c.seq.block_table, c.start + 1 + i) for i in range(c.length)]
+            paged_rows += range(row, row + c.length)
+        elif c.start > 0:   # continues a sequence: attend over its cached prefix as well
             plan = backend.plan_paged(as_long([c.seq.block_table]), as_long([c.start + c.length]),
                                       block_size, c.length, as_long([c.start]))
         prefill.append((row, c.length, plan, c.seq.state_slot, c.draft))
@@ -162,13 +171,16 @@ def prepare(out: SchedulerOutput, block_size: int, device, backend) -> StepTenso
         if c.sample:        # the last row; every row of a speculative step
             sample_rows.extend(range(row - 1 - c.draft, row))
     dec_plan = None
-    if out.decode:
+    if paged:
+        width = max(len(table) for table, _ in paged)
+        tables = [table + [-1] * (width - len(table)) for table, _ in paged]
         dec_plan = backend.plan_paged(as_long(tables).view(len(tables), width),
-                                      as_long([c.start + 1 for c in out.decode]), block_size, 1)
+                                      as_long([n for _, n in paged]), block_size, 1)
     return StepTensors(
         as_long(ids), as_long(positions), as_long(slots), len(out.decode), dec_plan,
         as_long([c.seq.state_slot if c.seq.state_slot is not None else 0 for c in out.decode]),
-        prefill, as_long(sample_rows))
+        prefill, as_long(sample_rows),
+        as_long(paged_rows) if len(paged_rows) > len(out.decode) else None)
 
 
 class ModelRunner:
@@ -286,9 +298,15 @@ class ModelRunner:
         k_cache, v_cache = self.cache.k(l), self.cache.v(l)
         o = torch.empty_like(a.q)
         nd = st.num_decode
-        if nd:
+        if st.paged_rows is not None:    # decode rows and draft rows, one query each
+            rows = st.paged_rows
+            o_rows = self.attn.run_paged(a.q[rows, None], k_cache, v_cache, st.dec_plan)[0]
+            o[rows] = o_rows[:, 0].to(o.dtype)
+        elif nd:
             o[:nd] = self.attn.run_paged(a.q[:nd, None], k_cache, v_cache, st.dec_plan)[0][:, 0]
-        for row, n, plan, *_ in st.prefill:
+        for row, n, plan, _, draft in st.prefill:
+            if draft:
+                continue
             q = a.q[row:row + n][None]
             if plan is None:   # fresh prompt: its keys are exactly this chunk's rows
                 o_seq, _ = self.attn.attention_lse(q, a.k[row:row + n][None],

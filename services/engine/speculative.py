@@ -44,6 +44,7 @@ class NgramConfig:
     prompt_lookup_max: int = 4          # the longest suffix looked up
     prompt_lookup_min: int = 2          # the shortest
     disable_by_batch_size: int | None = None   # no drafts while more requests than this run
+    adaptive: bool = True     # verify only the draft tokens expected to pay (`DraftPlanner`)
 
     def __post_init__(self):
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
@@ -60,20 +61,23 @@ class NgramConfig:
     def from_dict(cls, spec: dict) -> NgramConfig:
         """vLLM's `--speculative-config` form: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m,
-        "disable_by_batch_size": b}."""
+        "disable_by_batch_size": b}, and "adaptive": false to verify every draft whole."""
         spec = dict(spec)
         method = spec.pop("method", "ngram")
         if method != "ngram":
             raise ValueError(f"speculative method {method!r} is not supported (only "
                              f"'ngram': prompt lookup, no draft model)")
         known = {"num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "adaptive"}
         unknown = sorted(set(spec) - known)
         if unknown:
             raise ValueError(f"unknown speculative-config keys {unknown}; known: "
                              f"{sorted(known | {'method'})}")
-        bad = [k for k, v in spec.items() if isinstance(v, bool) or not isinstance(v, int)
-               and not (k == "disable_by_batch_size" and v is None)]
+        if not isinstance(spec.get("adaptive", True), bool):
+            raise ValueError("speculative-config adaptive must be true or false")
+        bad = [k for k, v in spec.items() if k != "adaptive" and (
+            isinstance(v, bool) or not isinstance(v, int)
+            and not (k == "disable_by_batch_size" and v is None))]
         if bad:
             raise ValueError(f"speculative-config {bad} must be integers")
         return cls(**spec)
@@ -118,6 +122,77 @@ def draft_generators(generator: torch.Generator | None, k: int) -> list:
         skip(nxt)
         rows.append(nxt)
     return rows
+
+
+class DraftPlanner:
+    """How many of its draft tokens each request verifies in a step: those expected to pay
+    for themselves (the step's rows grow by one per draft token, and a draft the model
+    rejects is paid for by every row).
+
+    It learns two things as it runs, with nothing fitted to a workload:
+    - the step's cost in rows: the mean time of steps of only decode and draft rows, by
+      their number of rows, and the straight line through them (a: fixed, b: per row);
+    - each request's acceptance rate: the fraction of its draft tokens kept, a moving
+      average, starting from the engine's over every draft so far.
+    Draft token i of a request is kept with probability rate^i, so each candidate token is
+    worth rate^i tokens for b seconds. Taken best first, a token stays in the step while
+    its worth per second beats the step's tokens per second so far. Until steps of two
+    sizes have been timed, every draft is verified (that is how they get timed), and a
+    request's first draft verifies at least one token (so that it gets a rate of its own;
+    a request whose drafts did not pay drafts no more)."""
+
+    SMOOTHING = 0.25          # weight of the newest sample in a request's moving average
+
+    def __init__(self):
+        self.step_s: dict[int, float] = {}     # rows -> mean seconds
+        self.kept, self.tries = 1.0, 2.0        # every draft's, from an even prior
+
+    @property
+    def rate(self) -> float:
+        return self.kept / self.tries
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step of `rows` decode and draft rows (no prompt chunk) took `seconds`."""
+        old = self.step_s.get(rows)
+        self.step_s[rows] = seconds if old is None else old + self.SMOOTHING * (seconds - old)
+
+    def observe_draft(self, seq: Sequence, proposed: int, accepted: int) -> None:
+        """A draft of `proposed` tokens whose first `accepted` were kept: the per-token
+        rate that explains it (kept tokens over tries, the first rejected one a try)."""
+        tries = accepted + (accepted < proposed)
+        r = accepted / tries
+        seq.draft_rate = self.rate if seq.draft_rate is None else seq.draft_rate
+        seq.draft_rate += self.SMOOTHING * (r - seq.draft_rate)
+        self.kept += accepted
+        self.tries += tries
+
+    def cost(self) -> tuple[float, float] | None:
+        """(a, b): a step of n rows takes about a + b·n seconds; None before two sizes."""
+        if len(self.step_s) < 2:
+            return None
+        n = np.array(list(self.step_s), dtype=np.float64)
+        t = np.array(list(self.step_s.values()))
+        b = float(((n - n.mean()) * (t - t.mean())).sum() / ((n - n.mean()) ** 2).sum())
+        return max(float(t.mean() - b * n.mean()), 0.0), max(b, 1e-9)
+
+    def trim(self, seqs: list[Sequence], rows: int) -> None:
+        """Cut each of `seqs`' drafts to the tokens that pay, in a step of `rows` other
+        rows (its decode rows)."""
+        cost = self.cost()
+        if cost is None:
+            return
+        a, b = cost
+        worth = sorted(((self.rate if s.draft_rate is None else s.draft_rate) ** (i + 1), k, i)
+                       for k, s in enumerate(seqs) for i in range(len(s.draft)))
+        keep = [0] * len(seqs)
+        tokens, seconds = float(rows), a + b * rows
+        for value, k, i in reversed(worth):       # the most likely to be kept first
+            if value * seconds <= b * tokens:
+                break
+            tokens, seconds = tokens + value, seconds + b
+            keep[k] = max(keep[k], i + 1)
+        for s, n in zip(seqs, keep):
+            del s.draft[max(n, s.draft_rate is None):]
 
 
 @dataclass

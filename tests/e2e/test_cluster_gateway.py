@@ -51,7 +51,8 @@ def reference():
 def cluster(ray_session):
     config = ClusterConfig(model=str(ZOO), attention_shards=2, kv_splits=2, mlp_replicas=2,
                            transport="grpc", kv_cache_bytes=128 << 20, max_num_seqs=8,
-                           prefill=EngineOptions(speculative=NgramConfig(4, 4, 2)))
+                           prefill=EngineOptions(speculative=NgramConfig(4, 4, 2,
+                                                                          adaptive=False)))
     app, cluster = build_cluster(config, served_name="smollm2-135m")
     with running(app) as base:
         yield base, cluster

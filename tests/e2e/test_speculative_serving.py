@@ -24,7 +24,7 @@ ASK = [{"role": "user", "content": "Here is a Python function:\n\n```python\n"
 @pytest.fixture(scope="module")
 def servers():
     spec = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1, engine_process=True,
-                          speculative=NgramConfig(4, 4, 2))
+                          speculative=NgramConfig(4, 4, 2, adaptive=False))
     plain = build_embedded(ZOO, kv_cache_bytes=64 << 20, threads=1)
     with running(spec) as spec_url, running(plain) as plain_url:
         yield spec_url, plain_url

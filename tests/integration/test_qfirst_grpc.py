@@ -117,7 +117,7 @@ def test_draft_steps_over_grpc_run_in_two_parts_and_give_the_exact_tokens(tiny_c
     servers = pool_servers(model, 1)
     service = qfirst_engine(model, make_transport("grpc", [servers[0][1]]), num_shards=2,
                             block_size=4, num_blocks=64,
-                            speculative=NgramConfig(4, 3, 1))
+                            speculative=NgramConfig(4, 3, 1, adaptive=False))
     assert service.runner.pool.pipelines
     got = service.generate(asks, params)
     for g, r in zip(got, ref):

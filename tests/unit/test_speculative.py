@@ -14,7 +14,9 @@ from services.engine import EngineConfig, GenerationParams, LLMEngine
 from services.engine.speculative import NgramConfig, propose
 from tests.helpers.tail_replay import prompt
 
-SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1)
+# every draft verified whole (the planner, which trims drafts by measured cost, is off)
+SPEC = NgramConfig(num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1,
+                   adaptive=False)
 
 
 def test_propose_takes_what_followed_the_latest_longest_match():
@@ -46,6 +48,69 @@ def test_config_takes_vllms_form_and_refuses_what_it_cannot_run():
         NgramConfig(2, 1, 3)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         NgramConfig(0)
+    assert NgramConfig.from_dict({"adaptive": False}).adaptive is False
+    assert NgramConfig().adaptive is True
+    with pytest.raises(ValueError, match="adaptive"):
+        NgramConfig.from_dict({"adaptive": 1})
+
+
+def drafted(*drafts, rates=None):
+    from services.engine.sequence import Sequence
+
+    seqs = [Sequence(i, [1, 2, 3], GenerationParams()) for i in range(len(drafts))]
+    for s, d, r in zip(seqs, drafts, rates or [None] * len(drafts)):
+        s.draft, s.draft_rate = list(d), r
+    return seqs
+
+
+def test_planner_fits_the_step_cost_and_keeps_the_draft_tokens_that_pay():
+    """The planner times steps by rows (a + b·rows) and keeps draft token i of a request
+    while rate^i tokens for b seconds beat the step's tokens per second so far."""
+    from services.engine.speculative import DraftPlanner
+
+    planner = DraftPlanner()
+    seqs = drafted([5, 6, 7, 8])
+    planner.trim(seqs, rows=1)                      # no cost known yet: the whole draft
+    assert seqs[0].draft == [5, 6, 7, 8] and planner.cost() is None
+    for rows, seconds in ((1, 0.018), (5, 0.022), (9, 0.026)):
+        planner.observe_step(rows, seconds)
+    a, b = planner.cost()
+    assert a == pytest.approx(0.017) and b == pytest.approx(0.001)
+    # a step of one row: 18 ms for a token, 1 ms per draft token. The 0.9-rate draft pays
+    # whole (0.66 tokens for 1 ms at its 4th), and the 0.3-rate draft's first token (0.3
+    # for 1 ms); its second (0.09 for 1 ms, 90 a second) is below the step's ~190 a second
+    seqs = drafted([5, 6, 7, 8], [5, 6], rates=[0.9, 0.3])
+    planner.trim(seqs, rows=1)
+    assert [s.draft for s in seqs] == [[5, 6, 7, 8], [5]]
+    # eight rows in 100 ms, 10 ms per row (80 tokens a second): a draft token must be
+    # kept with probability above 0.8 or so
+    expensive = DraftPlanner()
+    for rows, seconds in ((8, 0.10), (16, 0.18)):
+        expensive.observe_step(rows, seconds)
+    seqs = drafted([5, 6, 7, 8], [5, 6, 7, 8], rates=[0.95, 0.3])
+    expensive.trim(seqs, rows=8)
+    assert seqs[1].draft == []                     # chat-like: nothing pays
+    assert seqs[0].draft == [5, 6, 7]              # copy-like: 0.95, 0.90, 0.86 (not 0.81)
+    # rows cost the same whether draft or not, nothing fixed per step: no draft pays
+    flat = DraftPlanner()
+    for rows, seconds in ((8, 0.16), (16, 0.32)):
+        flat.observe_step(rows, seconds)
+    seqs = drafted([5, 6], rates=[0.95])
+    flat.trim(seqs, rows=8)
+    assert seqs[0].draft == []
+    # a request with no rate of its own yet verifies one token, whatever it costs
+    seqs = drafted([5, 6, 7], rates=[None])
+    flat.trim(seqs, rows=8)
+    assert seqs[0].draft == [5]
+    # acceptance: kept over tries, the first rejected token a try; a request starts from
+    # the engine's rate over every draft (1 of 2 before any)
+    s = drafted([1])[0]
+    planner = DraftPlanner()
+    planner.observe_draft(s, proposed=4, accepted=1)        # 1 of 2 tries
+    assert s.draft_rate == pytest.approx(0.5)
+    planner.observe_draft(s, proposed=4, accepted=4)        # 4 of 4
+    assert s.draft_rate == pytest.approx(0.5 + 0.25 * 0.5)
+    assert planner.rate == pytest.approx((1 + 1 + 4) / (2 + 2 + 4))
 
 
 def engines(path, speculative=SPEC, **over):
@@ -157,7 +222,7 @@ def test_no_drafts_past_disable_by_batch_size(tiny_checkpoint):
     path, _ = tiny_checkpoint("llama3")
     params = GenerationParams(max_tokens=12, ignore_eos=True)
     p = repetitive(30, 6)
-    one = NgramConfig(4, 3, 1, disable_by_batch_size=1)
+    one = NgramConfig(4, 3, 1, disable_by_batch_size=1, adaptive=False)
     spec, plain = engines(path, speculative=one)
     got = spec.generate([p, p], params)                   # two running: no drafts
     assert spec.spec_stats.drafts == 0
