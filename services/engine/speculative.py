@@ -3,9 +3,11 @@
 Before a step, each running request looks for the last `n` tokens it holds (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) earlier in its prompt and output. At the
 latest earlier match, the tokens that followed are its draft: up to
-`num_speculative_tokens` of them. The step then feeds the request's last token and the
-draft as one chunk of 1 + k rows (`ScheduledChunk.draft`), attending over the cache as a
-prompt chunk does, and samples every row. Row i's history is the output plus the first i
+`num_speculative_tokens` of them (`DraftPlanner` then keeps those expected to pay for their
+rows). The step then feeds the request's last token and the draft as one chunk of 1 + k
+rows (`ScheduledChunk.draft`), each row attending over the cache up to itself (in the
+monolithic runner as a decode row, in one paged kernel call with the step's decode rows),
+and samples every row. Row i's history is the output plus the first i
 draft tokens, so penalties and `min_tokens` see what a step-by-step decode would have seen.
 
 Verification: the step emits row 0's token, then row i + 1's for as long as row i's token
