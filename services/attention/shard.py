@@ -55,6 +55,10 @@ class SeqRows(NamedTuple):
     runs: list[tuple[int, int]]      # `table_runs(table)`
 
 
+ROW_QUERIES = 8     # a sequence of at most this many rows in a step sweeps a row at a time,
+                   # in the native kernel's one call (a draft step's 1 + k rows)
+
+
 class DecodePlan(NamedTuple):
     """A step's one-row sequences for the native paged kernel (`KVShard.plan`)."""
     rows: list[int]                  # their row indices into the step's q
@@ -116,19 +120,21 @@ class KVShard:
         self.write(layer, slots, k[own], v[own])
 
     def plan(self, seqs: list[SeqRows], limits: list[int], num_heads: int) -> DecodePlan:
-        """What `sweep` needs for the one-row sequences of `seqs` (decode rows), built once
-        per step and reused by every layer: their rows, and the native kernel's tables and
-        lengths (`cpu_paged.prepare`)."""
-        single = [s for s in seqs if len(s.rows) == 1 and s.table]
-        rest = [s for s in seqs if not (len(s.rows) == 1 and s.table)]
-        if not single:
+        """What `sweep` needs for the short sequences of `seqs` (decode rows, and the 1 + k
+        rows of a draft step: at most `ROW_QUERIES` rows), built once per step and reused by
+        every layer: their rows, each a one-row query over its own prefix, and the native
+        kernel's tables and lengths (`cpu_paged.prepare`)."""
+        short = [s for s in seqs if len(s.rows) <= ROW_QUERIES and s.table]
+        rest = [s for s in seqs if not (len(s.rows) <= ROW_QUERIES and s.table)]
+        if not short:
             return DecodePlan([], None, rest, False)
-        width = max(len(s.table) for s in single)
-        tables = torch.tensor([s.table + [-1] * (width - len(s.table)) for s in single])
-        lens = torch.tensor([self._num_local(limits[s.rows[0]]) for s in single])
+        width = max(len(s.table) for s in short)
+        tables = torch.tensor([s.table + [-1] * (width - len(s.table))
+                               for s in short for _ in s.rows])
+        lens = torch.tensor([self._num_local(limits[r]) for s in short for r in s.rows])
         prepared = cpu_paged.prepare(tables, lens, self.block_size, num_heads,
                                      self.kv.shape[-1])
-        rows = [s.rows[0] for s in single]
+        rows = [r for s in short for r in s.rows]
         return DecodePlan(rows, prepared, rest, not rest and rows == list(range(len(rows))))
 
     def sweep(self, layer: int, seqs: list[SeqRows], q: torch.Tensor, limits: list[int],
