@@ -198,19 +198,26 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     from `generator` (the global one when None). One number per draw, whatever the
     vocabulary: a draw costs a cumulative sum (`torch.multinomial` draws V exponentials,
     about 0.9 ms for a 49K vocabulary on a CPU core), and a seeded sampler skips a draw
-    with one `torch.rand` (`skip`). Tokens of probability 0 are never drawn: their
-    interval of the cumulative sum is empty."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(1, generator=generator,
-                   device=generator.device if generator is not None else probs.device)
-    at = torch.searchsorted(cdf, u.to(cdf.device) * cdf[-1], right=True)
+    with one (`skip`). Tokens of probability 0 are never drawn: their interval of the
+    cumulative sum is empty. The sum is in float64, so that where a token's interval
+    starts depends on the probabilities, not on the rounding of 49K float32 additions:
+    two deployments whose logits differ in the last bits draw the same token unless the
+    number falls within that difference of an interval's edge."""
+    cdf = probs.double().cumsum(-1)
+    u = _uniform(generator, probs.device).to(cdf.device)
+    at = torch.searchsorted(cdf, u * cdf[-1], right=True)
     return min(int(at), probs.shape[-1] - 1)
+
+
+def _uniform(generator: torch.Generator | None, device) -> torch.Tensor:
+    return torch.rand(1, dtype=torch.float64, generator=generator,
+                      device=generator.device if generator is not None else device)
 
 
 def skip(generator: torch.Generator, n: int = 1) -> None:
     """Advance `generator` past `n` draws (`draw`), whatever they drew."""
     for _ in range(n):
-        torch.rand(1, generator=generator, device=generator.device)
+        _uniform(generator, generator.device)
 
 
 class TokenLogprob(NamedTuple):
