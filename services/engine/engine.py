@@ -259,7 +259,7 @@ class LLMEngine:
             seq.matcher = matcher
             if self.grammars.metrics is not None:
                 self.grammars.metrics.admitted(params.structured.kind)
-        seq.skip_draws(len(output_ids))
+        seq.skip_draws(len(output_ids), self.model.config.vocab_size)
         self.seqs[seq_id] = seq
         self.scheduler.add(seq)
         return seq_id
@@ -413,7 +413,8 @@ class LLMEngine:
         for c, a in zip(chunks, allowed):
             s = c.seq
             if c.draft:
-                s.draft_generators = draft_generators(s.generator, c.draft)
+                s.draft_generators = draft_generators(s.generator, c.draft,
+                                                      self.model.config.vocab_size)
             for i in range(1 + c.draft):
                 params.append(s.params.sampling)
                 generators.append(s.draft_generators[i] if c.draft else s.generator)

@@ -57,11 +57,11 @@ class Sequence:
         if seed is not None:
             self.generator = torch.Generator().manual_seed(seed)
 
-    def skip_draws(self, n: int) -> None:
+    def skip_draws(self, n: int, vocab_size: int) -> None:
         """Advance a seeded sampler past `n` tokens drawn elsewhere (a migrated request):
-        each sampled token is one uniform number (`kernels.sampling.draw`)."""
+        each sampled token is one draw over the vocabulary (`kernels.sampling.draw`)."""
         if self.generator is not None and not self.params.sampling.greedy and n > 0:
-            skip(self.generator, n)
+            skip(self.generator, vocab_size, n)
 
     @property
     def tokens(self) -> list[int]:

@@ -110,18 +110,18 @@ def drafts(seq: Sequence) -> bool:
     return seq.matcher is None
 
 
-def draft_generators(generator: torch.Generator | None, k: int) -> list:
+def draft_generators(generator: torch.Generator | None, k: int, vocab_size: int) -> list:
     """The samplers of a draft step's 1 + k rows: row i draws with the state a plain decode
     would have after i more tokens (`generator` itself for row 0, a copy advanced i draws
-    for the others; each draw is one uniform number, `kernels.sampling.draw`). None for
-    an unseeded request: its rows draw from the global generator."""
+    for the others: `kernels.sampling.skip`, about 0.9 ms a draw over a 49K vocabulary on
+    a CPU core). None for an unseeded request: its rows draw from the global generator."""
     if generator is None:
         return [None] * (1 + k)
     rows = [generator]
     for _ in range(k):
         nxt = torch.Generator(generator.device)
         nxt.set_state(rows[-1].get_state())
-        skip(nxt)
+        skip(nxt, vocab_size)
         rows.append(nxt)
     return rows
 
