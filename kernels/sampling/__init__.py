@@ -189,12 +189,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = row.softmax(-1)
         if gen is not None and gen.device != probs.device:   # a request's CPU generator
             probs = probs.cpu()                                # draws the same on any device
-        tokens[i] = draw(probs, gen)
+        tokens[i] = draw(probs, gen).to(tokens.device)
     return tokens, logprobs_all.gather(-1, tokens[:, None])[:, 0]
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token from `probs` [V], drawn with `generator` (the global one when None).
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token (a 0-d tensor on `probs`' device) from `probs` [V], drawn with
+    `generator` (the global one when None).
 
     `torch.multinomial` draws one exponential per token and takes the token whose
     probability over its exponential is largest. Two sets of logits that differ in their
@@ -203,7 +204,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     at one uniform number instead is cheaper, but it flips whenever the number falls near
     any of the V interval edges, each shifted by the differences before it: 22 seeds in
     3,000 over a 49K vocabulary with logits 1e-5 apart, against none here."""
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
+    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def skip(generator: torch.Generator, vocab_size: int, n: int = 1) -> None:

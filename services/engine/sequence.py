@@ -50,7 +50,7 @@ class Sequence:
                                                      # (speculative decoding), unverified
     draft_generators: list = field(default_factory=list)   # a seeded draft step's sampler
                                                            # for each row (`draft_generators`)
-    draft_rate: float | None = None   # the fraction of its draft tokens kept (moving average)
+    draft_rate: float | None = None   # its per-token draft acceptance (`DraftPlanner`)
 
     def __post_init__(self):
         seed = self.params.sampling.seed

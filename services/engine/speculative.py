@@ -5,9 +5,9 @@ Before a step, each running request looks for the last `n` tokens it holds (n fr
 latest earlier match, the tokens that followed are its draft: up to
 `num_speculative_tokens` of them (`DraftPlanner` then keeps those expected to pay for their
 rows). The step then feeds the request's last token and the draft as one chunk of 1 + k
-rows (`ScheduledChunk.draft`), each row attending over the cache up to itself (in the
-monolithic runner as a decode row, in one paged kernel call with the step's decode rows),
-and samples every row. Row i's history is the output plus the first i
+rows (`ScheduledChunk.draft`), each row attending over the cache up to itself as a decode
+row does (in one paged kernel call with the step's decode rows, in either runner), and
+samples every row. Row i's history is the output plus the first i
 draft tokens, so penalties and `min_tokens` see what a step-by-step decode would have seen.
 
 Verification: the step emits row 0's token, then row i + 1's for as long as row i's token
@@ -27,8 +27,9 @@ Which requests draft: those without a grammar, and none while more requests than
 `disable_by_batch_size` run (a large batch's products cost more per extra row, and a draft
 the model rejects is paid for by every row). On the Gated DeltaNet hybrids a draft step
 runs the recurrence a row at a time and keeps each row's states, and the sequence's slot
-then takes those after its last kept row (`runner.DraftStates`). Both deployments draft: on the Ray deployment the attention services run the draft rows through the pool's
-stages like a prompt chunk's, and the pool samples every row."""
+then takes those after its last kept row (`runner.DraftStates`). Both deployments draft:
+on the Ray deployment the attention services run the draft rows through the pool's stages
+like a prompt chunk's, and the pool samples every row."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -142,7 +142,7 @@ def test_a_seeded_draw_survives_logits_that_differ_in_their_last_bits():
     torch.manual_seed(0)
     logits = torch.randn(49152) * 3
     p, q = logits.softmax(-1), (logits + torch.randn(49152) * 1e-5).softmax(-1)
-    drawn = [(draw(p, torch.Generator().manual_seed(s)), draw(q, torch.Generator().manual_seed(s)))
-             for s in range(1000)]
+    drawn = [(int(draw(p, torch.Generator().manual_seed(s))),
+              int(draw(q, torch.Generator().manual_seed(s)))) for s in range(1000)]
     assert all(a == b for a, b in drawn)
     assert len({a for a, _ in drawn}) > 100          # the draws do spread over the vocabulary
